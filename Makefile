@@ -1,0 +1,29 @@
+# Single entry points. `make demo` and `make test` set everything up on first use.
+PY := .venv/bin/python
+STAMP := .venv/.magicpig-setup-ok
+
+.PHONY: setup demo test test-fast bench-kernel bench-e2e accuracy-smoke accuracy clean
+
+$(STAMP): setup.sh pyproject.toml setup.py $(wildcard cpp/*.cpp cpp/*.h)
+	./setup.sh
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m vllm_magicpig.demo
+
+# pytest exits 5 when it collected no tests: that is a failure here, not a pass.
+test: $(STAMP)
+	$(PY) -m pytest -ra -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -ra -q -m "not e2e and not server" tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 1; fi; exit $$rc
+
+bench-kernel: $(STAMP)
+	$(PY) benchmarks/kernel_bench.py
+
+bench-e2e: $(STAMP)
+	$(PY) benchmarks/e2e_decode.py
+
+clean:
+	rm -rf build *.egg-info vllm_magicpig/_C*.so

@@ -1,0 +1,195 @@
+"""The MAGICPIG configuration: parsed from ``additional_config["magicpig"]`` and validated.
+
+Every error names the offending key, the value given and what is allowed, because
+these messages are what a user sees when ``vllm serve`` refuses to start.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+CONFIG_KEY = "magicpig"
+
+CENTERINGS = ("request", "global", "segment", "none")
+# Evaluation-only decode methods (see README "Accuracy harness"): they run in the same
+# decode path so that the baselines are measured exactly where MAGICPIG is.
+DECODE_METHODS = ("magicpig", "exact", "topk", "quest")
+
+
+class MagicPigConfigError(ValueError):
+    """A bad ``additional_config["magicpig"]`` entry, or a model MAGICPIG cannot serve."""
+
+
+@dataclass(frozen=True)
+class MagicPigConfig:
+    # --- LSH budget (paper defaults: K=10, L=150) ---
+    K: int = 10
+    """SimHash bits per table (1..16). Larger K = sharper buckets, fewer samples."""
+    L: int = 150
+    """Number of hash tables (2..1024). Larger L = more samples, more memory."""
+    # --- tokens always attended exactly ---
+    sink_tokens: int = 4
+    """Initial tokens attended exactly (attention sinks)."""
+    local_window: int = 64
+    """Most recent tokens attended exactly."""
+    dense_layers: tuple[int, ...] | None = None
+    """Layers that always use exact attention. None = the first and the middle layer
+    (the paper keeps layers 0 and 16 of 32)."""
+    min_sparse_context: int = 1024
+    """Decode requests with a shorter context are served exactly."""
+    # --- index ---
+    segment_tokens: int = 1024
+    """Smallest indexed run of tokens (a multiple of the KV block size). Runs of
+    these merge into larger segments (levels) up to ``max_segment_tokens``."""
+    max_segment_tokens: int = 32768
+    """Largest segment (token ids inside a segment are 16-bit)."""
+    index_memory_mb: int = 4096
+    """Cap on the CPU-side index (hash tables + K/V mirror), per worker. Least
+    recently used segments are evicted; their tokens are then attended exactly."""
+    centering: str = "request"
+    """Key centring: per request (paper), a global running mean, per segment, or none."""
+    inherit_centre: bool = True
+    """A prompt that extends a prefix which already has a centre reuses that centre
+    and its segments (multi-turn chat over a cached document is not re-indexed)."""
+    seed: int = 0
+    """Seed of the shared Gaussian projection; same seed, same tokens."""
+    # --- observability ---
+    log_stats_interval: int = 200
+    """Log the counters every N engine steps (0 = never)."""
+    # --- evaluation only ---
+    decode_method: str = "magicpig"
+    """Evaluation only: 'exact', 'topk' and 'quest' run baselines in the same decode path."""
+    budget_fraction: float = 0.04
+    """Evaluation only: the key budget of the 'topk' and 'quest' baselines."""
+    quest_page_size: int = 16
+    """Evaluation only: page size of the 'quest' baseline."""
+
+    def resolved_dense_layers(self, num_layers: int) -> frozenset[int]:
+        if self.dense_layers is None:
+            return frozenset({0, num_layers // 2})
+        return frozenset(self.dense_layers)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(MagicPigConfig)}
+
+# (low, high) inclusive; None = unbounded.
+_INT_RANGES: dict[str, tuple[int | None, int | None]] = {
+    "K": (1, 16),
+    "L": (2, 1024),
+    "sink_tokens": (0, None),
+    "local_window": (0, None),
+    "min_sparse_context": (0, None),
+    "segment_tokens": (16, 32768),
+    "max_segment_tokens": (16, 32768),
+    "index_memory_mb": (1, None),
+    "seed": (0, 2**63 - 1),
+    "log_stats_interval": (0, None),
+    "quest_page_size": (1, 4096),
+}
+
+
+def _range_text(lo: int | None, hi: int | None) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"{lo}..{hi}"
+
+
+def _check_int(key: str, value: Any) -> int:
+    # bool is an int subclass; `"K": true` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MagicPigConfigError(
+            f"magicpig config: {key!r} must be an integer, got {value!r} ({type(value).__name__})"
+        )
+    lo, hi = _INT_RANGES[key]
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise MagicPigConfigError(
+            f"magicpig config: {key!r}={value} is out of range; allowed: {_range_text(lo, hi)}"
+        )
+    return value
+
+
+def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
+    """Parse and validate ``additional_config`` (the whole dict vLLM hands over)."""
+    raw: Any = (additional_config or {}).get(CONFIG_KEY, {})
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise MagicPigConfigError(
+            f'additional_config["{CONFIG_KEY}"] must be a JSON object such as '
+            f'{{"K": 10, "L": 150}}, got {raw!r}'
+        )
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise MagicPigConfigError(
+            f"magicpig config: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {', '.join(sorted(_FIELDS))}"
+        )
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _INT_RANGES:
+            values[key] = _check_int(key, value)
+        elif key == "dense_layers":
+            if value is None:
+                values[key] = None
+                continue
+            if not isinstance(value, (list, tuple)):
+                raise MagicPigConfigError(
+                    f"magicpig config: 'dense_layers' must be a list of layer indices, got {value!r}"
+                )
+            layers = []
+            for v in value:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise MagicPigConfigError(
+                        f"magicpig config: 'dense_layers' entries must be non-negative integers, got {v!r}"
+                    )
+                layers.append(v)
+            values[key] = tuple(sorted(set(layers)))
+        elif key in ("centering", "decode_method"):
+            allowed = CENTERINGS if key == "centering" else DECODE_METHODS
+            if value not in allowed:
+                raise MagicPigConfigError(
+                    f"magicpig config: {key!r}={value!r} is not supported; allowed: {', '.join(allowed)}"
+                )
+            values[key] = value
+        elif key == "inherit_centre":
+            if not isinstance(value, bool):
+                raise MagicPigConfigError(f"magicpig config: 'inherit_centre' must be true or false, got {value!r}")
+            values[key] = value
+        elif key == "budget_fraction":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise MagicPigConfigError(
+                    f"magicpig config: 'budget_fraction'={value!r} is out of range; allowed: a number in (0, 1]"
+                )
+            values[key] = float(value)
+        else:  # pragma: no cover - every field is handled above
+            raise AssertionError(key)
+    cfg = MagicPigConfig(**values)
+    if cfg.max_segment_tokens < cfg.segment_tokens:
+        raise MagicPigConfigError(
+            f"magicpig config: 'max_segment_tokens'={cfg.max_segment_tokens} must be >= "
+            f"'segment_tokens'={cfg.segment_tokens}"
+        )
+    return cfg
+
+
+def validate_for_model(cfg: MagicPigConfig, *, num_layers: int, block_size: int | None) -> None:
+    """Checks that need the model and cache shape (run at engine start-up)."""
+    if cfg.dense_layers is not None:
+        bad = [i for i in cfg.dense_layers if i >= num_layers]
+        if bad:
+            raise MagicPigConfigError(
+                f"magicpig config: 'dense_layers' has {bad}, outside the model's layers; "
+                f"allowed: 0..{num_layers - 1}"
+            )
+    if block_size is not None:
+        for key in ("segment_tokens", "max_segment_tokens"):
+            v = getattr(cfg, key)
+            if v % block_size:
+                raise MagicPigConfigError(
+                    f"magicpig config: {key!r}={v} must be a multiple of the KV block size "
+                    f"({block_size}); e.g. {max(block_size, v // block_size * block_size)}"
+                )

@@ -1,0 +1,108 @@
+"""What ``register()`` changes in vLLM, each step idempotent.
+
+1. The backend name MAGICPIG becomes an ``AttentionBackendEnum`` member.
+2. That member pickles by *name* through ``vllm_magicpig._lookup_backend``: vLLM's
+   engine-core and worker processes are spawned and unpickle the config (which holds
+   the member) before they load plugins, and a by-value lookup would fail there.
+3. The CPU platform honours the selection. Left alone it logs "Cannot use MAGICPIG
+   backend on CPU" and silently runs CPU_ATTN.
+4. The platform's start-up config check also validates the MAGICPIG config and the
+   model, so a bad config fails in the front end with a clear message, not mid-serve.
+5. The worker wrapper gains ``magicpig_stats`` / ``magicpig_reset_stats`` /
+   ``magicpig_set_decode_method`` for ``LLM.collective_rpc``.
+"""
+from __future__ import annotations
+
+import threading
+
+from vllm_magicpig import BACKEND_NAME, BACKEND_PATH
+
+_lock = threading.Lock()
+_MARK = "_magicpig_wrapped"
+
+
+def install() -> None:
+    with _lock:
+        _register_enum_member()
+        _patch_enum_pickling()
+        _patch_cpu_platform()
+        _patch_worker_rpc()
+
+
+def _register_enum_member() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+
+
+def _patch_enum_pickling() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    original = AttentionBackendEnum.__reduce_ex__
+    if getattr(original, _MARK, False):
+        return
+
+    def __reduce_ex__(self, protocol):
+        if self.name == BACKEND_NAME:
+            import vllm_magicpig
+
+            return (vllm_magicpig._lookup_backend, (BACKEND_NAME,))
+        return original(self, protocol)
+
+    setattr(__reduce_ex__, _MARK, True)
+    AttentionBackendEnum.__reduce_ex__ = __reduce_ex__
+
+
+def _is_magicpig(backend) -> bool:
+    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
+
+
+def _patch_cpu_platform() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    select = CpuPlatform.__dict__["get_attn_backend_cls"].__func__
+    if not getattr(select, _MARK, False):
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if _is_magicpig(selected_backend):
+                reasons = selected_backend.get_class().validate_configuration(
+                    device_capability=None, **attn_selector_config._asdict()
+                )
+                if reasons:
+                    raise ValueError(
+                        f"MAGICPIG cannot serve this attention layer: {'; '.join(reasons)}. "
+                        "Use the default backend (drop --attention-backend MAGICPIG) for this model."
+                    )
+                return selected_backend.get_path()
+            return select(cls, selected_backend, attn_selector_config, num_heads)
+
+        setattr(get_attn_backend_cls, _MARK, True)
+        CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+    check = CpuPlatform.__dict__["check_and_update_config"].__func__
+    if not getattr(check, _MARK, False):
+
+        def check_and_update_config(cls, vllm_config):
+            check(cls, vllm_config)
+            backend = getattr(vllm_config.attention_config, "backend", None)
+            if _is_magicpig(backend):
+                from vllm_magicpig.startup_checks import check_vllm_config
+
+                check_vllm_config(vllm_config)
+
+        setattr(check_and_update_config, _MARK, True)
+        CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _patch_worker_rpc() -> None:
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    if getattr(WorkerWrapperBase, "magicpig_stats", None) is not None:
+        return
+    from vllm_magicpig import control
+    from vllm_magicpig.stats import STATS
+
+    WorkerWrapperBase.magicpig_stats = lambda self: STATS.snapshot()
+    WorkerWrapperBase.magicpig_reset_stats = lambda self: STATS.reset()
+    WorkerWrapperBase.magicpig_set_decode_method = lambda self, method: control.set_decode_method(method)
