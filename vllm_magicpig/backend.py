@@ -29,7 +29,8 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata  # noqa
 from vllm_magicpig import control  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig, MagicPigConfigError, parse_config  # noqa: E402
 from vllm_magicpig.startup_checks import SUPPORTED_HEAD_SIZES, total_layers  # noqa: E402
-from vllm_magicpig.stats import EXACT_DENSE_LAYER, EXACT_METHOD, STATS  # noqa: E402
+from vllm_magicpig.sparse_decode import DecodePlan, LayerState, StepPlanner  # noqa: E402
+from vllm_magicpig.stats import EXACT_DENSE_LAYER, STATS  # noqa: E402
 
 logger = logging.getLogger("vllm_magicpig")
 
@@ -91,7 +92,7 @@ class MagicPigMetadata:
     decode: CPUAttentionMetadata | None  # decode requests only (exact decode)
     prefill: CPUAttentionMetadata | None  # prefill requests only, when mixed with decodes
     decode_method: str
-    sparse_plan: object | None = None  # vllm_magicpig.sparse_decode.DecodePlan
+    sparse_plan: DecodePlan | None = None
 
     # vLLM reads these names on metadata objects in a few generic places.
     @property
@@ -123,10 +124,7 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
                 f"size multiples of 32); this machine/config selected {self.isa!r}"
             )
         self.cfg: MagicPigConfig = parse_config(vllm_config.additional_config)
-        self._sparse = None
-        from vllm_magicpig import sparse_decode
-
-        self._sparse = sparse_decode.StepPlanner(self.cfg, self.block_size)
+        self.planner = StepPlanner(self.cfg, self.block_size)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> MagicPigMetadata:
         cam = common_attn_metadata
@@ -155,9 +153,8 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
         elif num_decodes:
             decode = full
         method = control.decode_method(self.cfg.decode_method)
-        plan = None
-        if num_decodes and self._sparse is not None:
-            plan = self._sparse.plan(cam, num_decodes, method)
+        self.planner.observe_step(cam, num_decodes)
+        plan = self.planner.plan(cam, num_decodes, method) if num_decodes else None
         if self.cfg.log_stats_interval and STATS.steps % self.cfg.log_stats_interval == 0:
             logger.info(STATS.summary_line())
         return MagicPigMetadata(
@@ -199,11 +196,8 @@ class MagicPigImpl(CPUAttentionBackendImpl):
 
         self.layer_index = extract_layer_index(layer.layer_name)
         if self.layer_index not in self.dense_layers:
-            from vllm_magicpig import sparse_decode
-
-            self.sparse_layer = sparse_decode.LayerState(self.cfg, layer.layer_name, self.layer_index,
-                                                         self.num_heads, self.num_kv_heads, self.head_size,
-                                                         self.scale)
+            self.sparse_layer = LayerState(self.cfg, layer.layer_name, self.layer_index, self.num_heads,
+                                           self.num_kv_heads, self.head_size, self.scale)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -228,10 +222,11 @@ class MagicPigImpl(CPUAttentionBackendImpl):
 
     def forward_decode(self, layer, query, kv_cache, meta: MagicPigMetadata, output) -> None:
         """Decode attention for the batch's decode requests in a sparse layer."""
-        if meta.decode_method == "exact" or meta.sparse_plan is None:
-            STATS.decode_exact[EXACT_METHOD] += meta.num_decodes
+        plan = meta.sparse_plan
+        if not plan.sparse:
+            # Nothing to sample this step: the platform kernel is the fastest exact path.
+            for reason in plan.exact_reason.values():
+                STATS.decode_exact[reason] += 1
             super().forward(layer, query, query, query, kv_cache, meta.decode, output)
             return
-        self.sparse_layer.forward(layer, query, kv_cache, meta, output,
-                                  exact_fallback=lambda q, o: super(MagicPigImpl, self).forward(
-                                      layer, q, q, q, kv_cache, meta.decode, o))
+        self.sparse_layer.forward(query, kv_cache, plan, output)

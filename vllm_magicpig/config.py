@@ -11,10 +11,10 @@ from typing import Any, Mapping
 
 CONFIG_KEY = "magicpig"
 
-CENTERINGS = ("request", "global", "segment", "none")
+CENTERINGS = ("request", "none")
 # Evaluation-only decode methods (see README "Accuracy harness"): they run in the same
 # decode path so that the baselines are measured exactly where MAGICPIG is.
-DECODE_METHODS = ("magicpig", "exact", "topk", "quest")
+DECODE_METHODS = ("magicpig", "exact")
 
 
 class MagicPigConfigError(ValueError):
@@ -39,7 +39,7 @@ class MagicPigConfig:
     min_sparse_context: int = 1024
     """Decode requests with a shorter context are served exactly."""
     # --- index ---
-    segment_tokens: int = 1024
+    segment_tokens: int = 256
     """Smallest indexed run of tokens (a multiple of the KV block size). Runs of
     these merge into larger segments (levels) up to ``max_segment_tokens``."""
     max_segment_tokens: int = 32768
@@ -48,7 +48,7 @@ class MagicPigConfig:
     """Cap on the CPU-side index (hash tables + K/V mirror), per worker. Least
     recently used segments are evicted; their tokens are then attended exactly."""
     centering: str = "request"
-    """Key centring: per request (paper), a global running mean, per segment, or none."""
+    """Key centring: per request (the paper's; measured best) or none (ablation only)."""
     inherit_centre: bool = True
     """A prompt that extends a prefix which already has a centre reuses that centre
     and its segments (multi-turn chat over a cached document is not re-indexed)."""
@@ -59,7 +59,7 @@ class MagicPigConfig:
     """Log the counters every N engine steps (0 = never)."""
     # --- evaluation only ---
     decode_method: str = "magicpig"
-    """Evaluation only: 'exact', 'topk' and 'quest' run baselines in the same decode path."""
+    """Evaluation only: 'exact' serves every decode exactly through the same path."""
     budget_fraction: float = 0.04
     """Evaluation only: the key budget of the 'topk' and 'quest' baselines."""
     quest_page_size: int = 16

@@ -21,13 +21,13 @@ _QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 @dataclass(frozen=True)
 class PassKeyPrompt:
-    text: str  # the chat-formatted prompt, ready for LLM.generate
+    text: str  # the prompt, ready for LLM.generate
     pass_key: str
     num_tokens: int
 
 
 def build(tokenizer, context_tokens: int, seed: int = 0, depth: float = 0.5,
-          chat: bool = True) -> PassKeyPrompt:
+          chat: bool = False) -> PassKeyPrompt:
     """A prompt of about ``context_tokens`` tokens with the needle at ``depth`` (0..1).
 
     Plain text by default: SmolLM2-135M-Instruct answers it reliably up to its 8K

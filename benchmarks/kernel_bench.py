@@ -1,0 +1,230 @@
+"""Decode-attention benchmark for one layer: MagicPIG kernel vs exact attention, same K/V, one run.
+
+    .venv/bin/python benchmarks/kernel_bench.py            # 8K / 32K / 128K, D=64 (3x3) and D=128 (8x4)
+    .venv/bin/python benchmarks/kernel_bench.py --quick    # small smoke run
+
+Exact attention runs through vLLM's own CPU decode kernel (ops.cpu_attention_with_kv_cache, "vec"
+layout, the same paged cache the MagicPIG kernel reads its dense tokens from) when vLLM imports,
+plus torch SDPA on bf16.  The float64 torch reference runs at the smallest size only.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_magicpig import kernel as kx  # noqa: E402
+from vllm_magicpig import reference as ref  # noqa: E402
+
+SINKS, WINDOW, TAIL, SEG_MAX, BLOCK = 4, 64, 100, 32768, 128
+
+
+def timeit(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def copy_bandwidth():
+    """GB/s of a large tensor copy (bytes read + written), the memory roof for this machine."""
+    a = torch.empty(256 * 2**20, dtype=torch.uint8).random_()
+    b = torch.empty_like(a)
+    t = timeit(lambda: b.copy_(a), 5)
+    return 2 * a.numel() / t / 1e9
+
+
+def load_vllm():
+    try:
+        import vllm._custom_ops as ops  # noqa: F401
+        return ops
+    except Exception as e:  # noqa: BLE001
+        print(f"# vLLM CPU kernel unavailable ({e}); exact baseline = torch SDPA only")
+        return None
+
+
+def make_context(n, hkv, D, gen):
+    """Keys: a strong common offset (opposite to the queries, as in real models) plus noise, and
+    a few heavy keys aligned with the query; values random."""
+    off = torch.randn(hkv, D, generator=gen)
+    off = off / off.norm(dim=-1, keepdim=True) * 2.0 * math.sqrt(D) ** 0.5 * 3
+    keys = torch.randn(n, hkv, D, generator=gen) + off
+    vals = torch.randn(n, hkv, D, generator=gen)
+    return keys, vals, off
+
+
+def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
+    H = hkv * G
+    scale = D ** -0.5
+    keys, vals, off = make_context(n, hkv, D, gen)
+    q = torch.randn(1, H, D, generator=gen) - 0.3 * off.repeat_interleave(G, 0).unsqueeze(0) / math.sqrt(D) ** 0.5
+    kvh = torch.arange(H) // G
+    # Two heavy keys per query head, in its own KV head, a few logits above the crowd.
+    heavy = torch.randint(SINKS, n - WINDOW - TAIL, (H, 2), generator=gen)
+    for h in range(H):
+        qh = q[0, h] / q[0, h].norm()
+        for i in heavy[h].tolist():
+            keys[i, kvh[h]] = off[kvh[h]] + qh * 6.0 * math.sqrt(D) / q[0, h].norm() * math.sqrt(D)
+    keys, vals, q = keys.bfloat16(), vals.bfloat16(), q.bfloat16()
+
+    cov_lo, cov_hi = SINKS, n - WINDOW - TAIL
+    centre = keys[cov_lo:cov_hi].float().mean(0)
+    W = torch.randn(D, K * L, generator=gen)
+    t0 = time.perf_counter()
+    segs, p = [], cov_lo
+    while p < cov_hi:
+        e = min(cov_hi, p + SEG_MAX)
+        segs.append(kx.build_segment(keys[p:e], vals[p:e], centre, W, K, L))
+        p = e
+    build_s = time.perf_counter() - t0
+    index_b = sum(s.index_bytes for s in segs)
+    mirror_b = sum(s.mirror_bytes for s in segs)
+
+    # vLLM CPU paged cache ("vec" layout): [blocks, Hkv, 2*BLOCK, D]; K column-major, V row-major.
+    nb = -(-n // BLOCK)
+    kv_cache = torch.zeros(nb, hkv, 2 * BLOCK, D, dtype=torch.bfloat16)
+    bt = torch.randperm(nb, generator=gen).to(torch.int32).view(1, nb)
+    slots = (bt[0].long().repeat_interleave(BLOCK)[:n] * BLOCK + torch.arange(n) % BLOCK)
+    kcache, vcache = kv_cache.chunk(2, dim=2)
+    if ops is not None:
+        ops.cpu_attn_reshape_and_cache(keys, vals, kcache, vcache, slots, "vec")
+    flat = kv_cache.view(-1)
+    kview = flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, 1, 2 * BLOCK * D, BLOCK))
+    vview = flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, D, 2 * BLOCK * D, 1), BLOCK * D)
+    if ops is None:  # same layout by hand
+        kview[slots // BLOCK, slots % BLOCK] = keys
+        vview[slots // BLOCK, slots % BLOCK] = vals
+
+    qcodes = kx.hash_codes(q[0], W, K, L).view(1, H, L)
+    qdc = (q[0].float() * centre[kvh]).sum(-1).view(1, H)
+    ranges = torch.tensor([[[0, SINKS], [cov_hi, n]]], dtype=torch.int32)
+    out = torch.empty(1, H, D, dtype=torch.bfloat16)
+    lse = torch.empty(1, H)
+    cnt = torch.zeros(1, H, dtype=torch.int64)
+
+    def mp(force_scalar=False):
+        kx.sparse_decode_attention(q, qcodes, qdc, [segs], kview, vview, bt, ranges, scale, K, L, out, lse, cnt,
+                                   force_scalar=force_scalar)
+
+    t_mp = timeit(mp, reps)
+    kx._C.set_profiling(True)  # phase timers (thread-seconds) for the breakdown
+    for _ in range(5):
+        mp()
+    prof = {k: f"{v / 5 * 1e3:.2f}ms" for k, v in kx._C.profile().items()}
+    kx._C.set_profiling(False)
+    t_mp_scalar = timeit(lambda: mp(True), max(3, reps // 4), warmup=1)
+    mp()
+    sampled_frac = cnt.double().mean().item() / (cov_hi - cov_lo)
+
+    # Bytes the kernel touches per step: bucket ids walked, the union of sampled rows per KV head
+    # (K + V + norm), and the dense rows.
+    walked, union_rows = 0, 0
+    qc = qcodes[0]
+    for s in segs:
+        codes = s.codes()  # [Hkv, L, n_s]
+        for h in range(hkv):
+            m = codes[h].unsqueeze(0) == qc[h * G:(h + 1) * G].unsqueeze(-1)  # [G, L, n_s]
+            walked += int(m.sum())
+            union_rows += int((m.sum(1) >= 2).any(0).sum())
+    print(f"#   walked={walked} union_rows={union_rows} per-head sampled={cnt.sum().item()}")
+    dense_rows = (SINKS + n - cov_hi) * hkv
+    mp_bytes = walked * 2 + union_rows * (4 * D + 4) + dense_rows * 4 * D
+    exact_bytes = n * hkv * D * 2 * 2
+
+    res = dict(D=D, hkv=hkv, G=G, n=n, t_mp=t_mp, t_mp_scalar=t_mp_scalar, sampled=sampled_frac,
+               mp_bytes=mp_bytes, index_bpt=index_b / ((cov_hi - cov_lo) * hkv), build=build_s,
+               mirror_bpt=mirror_b / ((cov_hi - cov_lo) * hkv), exact_bytes=exact_bytes, bw=bw, profile=prof)
+
+    # Exact attention over the same K/V.
+    if ops is not None:
+        qsl = torch.tensor([0, 1], dtype=torch.int32)
+        seq = torch.tensor([n], dtype=torch.int32)
+        meta = ops.cpu_attn_get_scheduler_metadata(1, H, hkv, D, seq, torch.bfloat16, qsl, True, -1, "vec", False)
+        vout = torch.empty(1, H, D, dtype=torch.bfloat16)
+
+        def vl():
+            ops.cpu_attention_with_kv_cache(q, kcache, vcache, vout, qsl, seq, scale, True, None, -1, bt, 0.0,
+                                            meta, None)
+        res["t_vllm"] = timeit(vl, max(3, reps // 2))
+        vl()
+        ex, ex_lse = ref.exact_attention(q[0], keys, vals, scale) if n <= 32768 else (None, None)
+        if ex is not None:
+            res["vllm_err"] = ((vout[0].double() - ex).norm(dim=-1) / ex.norm(dim=-1)).mean().item()
+    kq = keys.transpose(0, 1).unsqueeze(0).contiguous()
+    vq = vals.transpose(0, 1).unsqueeze(0).contiguous()
+    qq = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, 1, D]
+    res["t_sdpa"] = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qq, kq, vq, scale=scale, enable_gqa=True), max(3, reps // 2))
+    if n <= 32768:
+        ex, _ = ref.exact_attention(q[0], keys, vals, scale)
+        res["mp_err"] = ((out[0].double() - ex).norm(dim=-1) / ex.norm(dim=-1)).mean().item()
+    if with_ref:
+        cov = torch.zeros(n, dtype=torch.bool)
+        cov[cov_lo:cov_hi] = True
+        kc = torch.cat([torch.zeros(hkv, L, cov_lo, dtype=torch.long)] + [s.codes().long() for s in segs]
+                       + [torch.zeros(hkv, L, n - cov_hi, dtype=torch.long)], -1)
+        t = time.perf_counter()
+        ro, _, _ = ref.magicpig_attention(q[0], keys, vals, centre, W, K, L, cov, scale, query_codes=qc.long(),
+                                          kcodes=kc, query_dot_centre=qdc[0])
+        res["t_ref"] = time.perf_counter() - t
+        res["ref_diff"] = (out[0].double() - ro).abs().max().item()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
+    ap.add_argument("--K", type=int, default=10)
+    ap.add_argument("--L", type=int, default=150)
+    ap.add_argument("--sizes", type=str, default=None, help="comma-separated context lengths")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([4096, 16384] if args.quick else [8192, 32768, 131072])
+    reps = 5 if args.quick else 20
+    gen = torch.Generator().manual_seed(1234)
+    ops = load_vllm()
+    bw = copy_bandwidth()
+    print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s K={args.K} L={args.L}")
+    rows = []
+    for D, hkv, G in ((64, 3, 3), (128, 8, 4)):
+        for n in sizes:
+            r = run_config(D, hkv, G, n, args.K, args.L, ops, bw, reps, with_ref=(n == sizes[0]), gen=gen)
+            rows.append(r)
+            print(f"# done D={D} n={n}: {r['t_mp'] * 1e3:.3f} ms", flush=True)
+
+    print()
+    print("| D | Hkv x G | ctx | MagicPIG ms | scalar ms | vLLM exact ms | SDPA ms | speedup vs vLLM | sampled % | "
+          "MP bytes/step | MP GB/s (% copy) | exact GB/s | index B/tok/KVh | mirror B/tok/KVh | build s | rel.err MP / vLLM | ref ms (max diff) |")
+    print("|" + "---|" * 17)
+    for r in rows:
+        base = r.get("t_vllm", r["t_sdpa"])
+        gbs = r["mp_bytes"] / r["t_mp"] / 1e9
+        ex_gbs = r["exact_bytes"] / base / 1e9
+        err = f"{r['mp_err']:.3f} / {r.get('vllm_err', float('nan')):.4f}" if "mp_err" in r else "-"
+        refc = f"{r['t_ref'] * 1e3:.0f} ({r['ref_diff']:.1e})" if "t_ref" in r else "-"
+        vll = f"{r['t_vllm'] * 1e3:.2f}" if "t_vllm" in r else "n/a"
+        print(f"| {r['D']} | {r['hkv']}x{r['G']} | {r['n'] // 1024}K | {r['t_mp'] * 1e3:.3f} | {r['t_mp_scalar'] * 1e3:.2f} | "
+              f"{vll} | {r['t_sdpa'] * 1e3:.2f} | {base / r['t_mp']:.1f}x | {100 * r['sampled']:.2f} | "
+              f"{r['mp_bytes'] / 1e6:.2f} MB | {gbs:.1f} ({100 * gbs / r['bw']:.0f}%) | {ex_gbs:.1f} | "
+              f"{r['index_bpt']:.0f} | {r['mirror_bpt']:.0f} | {r['build']:.2f} | {err} | {refc} |")
+    print()
+    print(f"index target <= {1.5 * args.L * 2:.0f} B/tok/KV head; speed targets: 32K >= 8x, 128K >= 15x vs exact")
+    missed = [r for r in rows if (r["n"] >= 32768 and r["n"] < 131072 and r.get("t_vllm", r["t_sdpa"]) / r["t_mp"] < 8)
+              or (r["n"] >= 131072 and r.get("t_vllm", r["t_sdpa"]) / r["t_mp"] < 15)]
+    if missed and hasattr(kx._C, "profile"):
+        print("\nTime breakdown for configs below target (per step, summed over threads):")
+        for r in missed:
+            print(f"  D={r['D']} n={r['n']}: {r.get('profile', 'n/a')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+// Segment build (centre, hash, bucket sort) and merge.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "common.h"
+
+namespace mp {
+
+// Writes the per-token codes of table t (inverse of the bucket sort); used by merge and codes().
+void recover_codes(const Segment& s, int t, uint16_t* codes) {
+  const uint16_t* ids = s.ids.data() + static_cast<size_t>(t) * s.n;
+  if (s.dense_dir) {
+    const uint16_t* o = s.off.data() + static_cast<size_t>(t) * ((1u << s.K) + 1);
+    for (uint32_t c = 0; c < (1u << s.K); ++c)
+      for (int i = o[c]; i < o[c + 1]; ++i) codes[ids[i]] = static_cast<uint16_t>(c);
+    return;
+  }
+  for (uint32_t j = s.dir_begin[t]; j < s.dir_begin[t + 1]; ++j) {
+    const int e = (j + 1 < s.dir_begin[t + 1]) ? s.ustart[j + 1] : s.n;
+    for (int i = s.ustart[j]; i < e; ++i) codes[ids[i]] = s.ucode[j];
+  }
+}
+
+// Stable counting sort of every (KV head, table) row of codes [hkv*L][n] into the CSR index.
+// Stability keeps ids ascending inside a bucket, which is what makes merge == concatenation.
+static void sort_tables(Segment& s, const uint16_t* codes) {
+  const int T = s.hkv * s.L, n = s.n;
+  const uint32_t B = 1u << s.K;
+  s.ids.assign(static_cast<size_t>(T) * n, 0);
+  // Dense offsets cost 2 bytes per bucket; once buckets outnumber tokens the sorted distinct
+  // codes (4 bytes per non-empty bucket, binary searched) are smaller.
+  s.dense_dir = B <= static_cast<uint32_t>(n);
+  std::vector<std::vector<uint16_t>> uc, us;
+  if (s.dense_dir) s.off.assign(static_cast<size_t>(T) * (B + 1), 0);
+  else { uc.resize(T); us.resize(T); }
+#pragma omp parallel
+  {
+    std::vector<uint32_t> cnt(B + 1);
+#pragma omp for schedule(dynamic)
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* c = codes + static_cast<size_t>(t) * n;
+      std::fill(cnt.begin(), cnt.end(), 0u);
+      for (int i = 0; i < n; ++i) ++cnt[c[i] + 1];
+      if (!s.dense_dir)
+        for (uint32_t b = 0; b < B; ++b)
+          if (cnt[b + 1]) { uc[t].push_back(static_cast<uint16_t>(b)); }
+      for (uint32_t b = 0; b < B; ++b) cnt[b + 1] += cnt[b];  // cnt[b] = start of bucket b
+      if (s.dense_dir) {
+        uint16_t* o = s.off.data() + static_cast<size_t>(t) * (B + 1);
+        for (uint32_t b = 0; b <= B; ++b) o[b] = static_cast<uint16_t>(cnt[b]);
+      } else {
+        for (uint16_t b : uc[t]) us[t].push_back(static_cast<uint16_t>(cnt[b]));
+      }
+      uint16_t* ids = s.ids.data() + static_cast<size_t>(t) * n;
+      for (int i = 0; i < n; ++i) ids[cnt[c[i]]++] = static_cast<uint16_t>(i);
+    }
+  }
+  if (!s.dense_dir) {
+    s.dir_begin.assign(T + 1, 0);
+    for (int t = 0; t < T; ++t) s.dir_begin[t + 1] = s.dir_begin[t] + static_cast<uint32_t>(uc[t].size());
+    s.ucode.reserve(s.dir_begin[T]);
+    s.ustart.reserve(s.dir_begin[T]);
+    for (int t = 0; t < T; ++t) {
+      s.ucode.insert(s.ucode.end(), uc[t].begin(), uc[t].end());
+      s.ustart.insert(s.ustart.end(), us[t].begin(), us[t].end());
+    }
+  }
+}
+
+std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv,
+                                       int d, int dtype, const float* centre, const float* w, int K,
+                                       int L) {
+  auto sp = std::make_shared<Segment>();
+  Segment& s = *sp;
+  s.n = n; s.hkv = hkv; s.d = d; s.K = K; s.L = L; s.dtype = dtype;
+  s.kmir.resize(static_cast<size_t>(hkv) * n * d);
+  s.vmir.resize(s.kmir.size());
+  s.knorm.resize(static_cast<size_t>(hkv) * n);
+  std::vector<uint16_t> codes(static_cast<size_t>(hkv) * L * n);
+  const int TB = 64, nblk = (n + TB - 1) / TB;
+#pragma omp parallel
+  {
+    std::vector<float> x(static_cast<size_t>(TB) * d);
+    std::vector<uint16_t> cb(static_cast<size_t>(TB) * L);
+#pragma omp for schedule(dynamic)
+    for (int job = 0; job < hkv * nblk; ++job) {
+      const int h = job / nblk, t0 = (job % nblk) * TB, T = std::min(TB, n - t0);
+      const float* c = centre + static_cast<size_t>(h) * d;
+      for (int t = 0; t < T; ++t) {
+        const size_t i = t0 + t, src = (i * hkv + h) * d, dst = (h * static_cast<size_t>(n) + i) * d;
+        std::memcpy(&s.kmir[dst], keys + src, d * 2);
+        std::memcpy(&s.vmir[dst], values + src, d * 2);
+        double ss = 0;
+        for (int j = 0; j < d; ++j) {
+          const float v = to_f(keys[src + j], dtype) - c[j];
+          x[static_cast<size_t>(t) * d + j] = v;
+          ss += static_cast<double>(v) * v;
+        }
+        s.knorm[h * static_cast<size_t>(n) + i] = static_cast<float>(std::sqrt(ss));
+      }
+      hash_rows(x.data(), T, d, w, K, L, cb.data());
+      for (int t = 0; t < T; ++t)
+        for (int l = 0; l < L; ++l)
+          codes[(static_cast<size_t>(h) * L + l) * n + t0 + t] = cb[static_cast<size_t>(t) * L + l];
+    }
+  }
+  sort_tables(s, codes.data());
+  return sp;
+}
+
+std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts) {
+  if (parts.empty()) throw std::invalid_argument("merge_segments: no segments");
+  const Segment& a = *parts[0];
+  auto sp = std::make_shared<Segment>();
+  Segment& s = *sp;
+  s.hkv = a.hkv; s.d = a.d; s.K = a.K; s.L = a.L; s.dtype = a.dtype;
+  for (auto& p : parts) s.n += p->n;
+  if (s.n > 32768) throw std::invalid_argument("merge_segments: merged segment exceeds 32768 tokens");
+  const int n = s.n, d = s.d, T = s.hkv * s.L;
+  s.kmir.resize(static_cast<size_t>(s.hkv) * n * d);
+  s.vmir.resize(s.kmir.size());
+  s.knorm.resize(static_cast<size_t>(s.hkv) * n);
+  for (int h = 0; h < s.hkv; ++h) {
+    size_t o = 0;
+    for (auto& p : parts) {
+      const size_t src = static_cast<size_t>(h) * p->n, dst = static_cast<size_t>(h) * n + o;
+      std::copy_n(p->kmir.begin() + src * d, static_cast<size_t>(p->n) * d, s.kmir.begin() + dst * d);
+      std::copy_n(p->vmir.begin() + src * d, static_cast<size_t>(p->n) * d, s.vmir.begin() + dst * d);
+      std::copy_n(p->knorm.begin() + src, p->n, s.knorm.begin() + dst);
+      o += p->n;
+    }
+  }
+  // Recovering each child's codes from its CSR and stably re-sorting the concatenation gives
+  // exactly "bucket b = concat of the children's bucket b" (ids ascending within children), with
+  // no projection work; it also lets the merged segment pick its own directory form.
+  std::vector<uint16_t> codes(static_cast<size_t>(T) * n);
+#pragma omp parallel for schedule(dynamic)
+  for (int t = 0; t < T; ++t) {
+    size_t o = 0;
+    for (auto& p : parts) {
+      recover_codes(*p, t, codes.data() + static_cast<size_t>(t) * n + o);
+      o += p->n;
+    }
+  }
+  sort_tables(s, codes.data());
+  return sp;
+}
+
+}  // namespace mp

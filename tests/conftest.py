@@ -1,0 +1,42 @@
+"""Shared fixtures. End-to-end tests run real vLLM on SmolLM2-135M-Instruct.
+
+The model folder is prepared by ./setup.sh (python -m vllm_magicpig.models smollm2);
+a missing model is an error, never a skip, so CI cannot pass without running them.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM reserves this share of the machine's RAM for the KV cache (24 GB machines).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from vllm_magicpig.models import prepare_smollm2
+
+    return str(prepare_smollm2())
+
+
+def make_llm(model_path: str, backend: str = "MAGICPIG", magicpig: dict | None = None, **kwargs):
+    """An LLM with test-friendly defaults (eager mode: compile warm-up takes ~70 s)."""
+    from vllm import LLM
+
+    args = dict(
+        model=model_path,
+        attention_backend=backend,
+        enforce_eager=True,
+        max_model_len=8192,
+        seed=0,
+    )
+    if magicpig is not None:
+        args["additional_config"] = {"magicpig": magicpig}
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def stats(llm) -> dict:
+    (snap,) = llm.collective_rpc("magicpig_stats")
+    return snap

@@ -1,0 +1,236 @@
+"""Unit tests of the MAGICPIG config parser and validators (no vLLM, no model; fast).
+
+Every rejected config must raise MagicPigConfigError whose message names the bad key
+and says what is allowed: these messages are what a user sees when `vllm serve` refuses
+to start.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from vllm_magicpig import control
+from vllm_magicpig.config import (
+    CENTERINGS,
+    DECODE_METHODS,
+    MagicPigConfig,
+    MagicPigConfigError,
+    parse_config,
+    validate_for_model,
+)
+
+
+def _parse(**magicpig):
+    return parse_config({"magicpig": magicpig})
+
+
+def _raises(match_all: list[str], **magicpig) -> str:
+    """parse_config must raise MagicPigConfigError whose message contains every string."""
+    with pytest.raises(MagicPigConfigError) as ei:
+        _parse(**magicpig)
+    msg = str(ei.value)
+    for s in match_all:
+        assert s in msg, f"{s!r} not in error message {msg!r}"
+    return msg
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+@pytest.mark.parametrize("additional_config", [None, {}, {"magicpig": {}}, {"magicpig": None},
+                                               {"other_plugin": {"x": 1}}])
+def test_defaults_are_the_papers(additional_config):
+    cfg = parse_config(additional_config)
+    assert isinstance(cfg, MagicPigConfig)
+    assert (cfg.K, cfg.L) == (10, 150)
+    assert cfg.sink_tokens == 4
+    assert cfg.local_window == 64
+    assert cfg.dense_layers is None
+    assert cfg.centering == "request"
+    assert cfg.decode_method == "magicpig"
+    assert cfg == MagicPigConfig()
+
+
+def test_valid_values_are_kept():
+    cfg = _parse(K=16, L=2, sink_tokens=0, local_window=0, min_sparse_context=0,
+                 dense_layers=[5, 1, 5], centering="none", decode_method="exact",
+                 segment_tokens=256, max_segment_tokens=256, inherit_centre=False,
+                 budget_fraction=1, log_stats_interval=0)
+    assert (cfg.K, cfg.L, cfg.sink_tokens, cfg.local_window, cfg.min_sparse_context) == (16, 2, 0, 0, 0)
+    assert cfg.dense_layers == (1, 5)  # sorted, deduplicated
+    assert cfg.centering == "none" and cfg.decode_method == "exact"
+    assert (cfg.segment_tokens, cfg.max_segment_tokens) == (256, 256)
+    assert cfg.inherit_centre is False
+    assert cfg.budget_fraction == 1.0 and isinstance(cfg.budget_fraction, float)
+    assert cfg.log_stats_interval == 0
+
+
+@pytest.mark.parametrize("k", [1, 16])
+def test_K_range_bounds_are_inclusive(k):
+    assert _parse(K=k).K == k
+
+
+@pytest.mark.parametrize("l", [2, 1024])
+def test_L_range_bounds_are_inclusive(l):
+    assert _parse(L=l).L == l
+
+
+# --------------------------------------------------------------------------- bad keys / types
+
+
+def test_unknown_key_lists_allowed_keys():
+    msg = _raises(["'KK'", "allowed keys"], KK=3)
+    allowed = msg.split("allowed keys:", 1)[1]
+    for key in ("K", "L", "sink_tokens", "local_window", "dense_layers", "min_sparse_context",
+                "segment_tokens", "max_segment_tokens", "centering", "decode_method"):
+        assert re.search(rf"\b{key}\b", allowed), f"allowed-keys list lacks {key}: {msg}"
+
+
+def test_not_a_mapping():
+    with pytest.raises(MagicPigConfigError, match=r'additional_config\["magicpig"\].*JSON object'):
+        parse_config({"magicpig": [10, 150]})
+
+
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("K", "10", ["'K'", "must be an integer", "'10'", "str"]),
+        ("K", True, ["'K'", "must be an integer", "bool"]),
+        ("L", 150.0, ["'L'", "must be an integer", "float"]),
+        ("sink_tokens", None, ["'sink_tokens'", "must be an integer"]),
+        ("local_window", "64", ["'local_window'", "must be an integer"]),
+    ],
+)
+def test_wrong_type(key, value, expected):
+    _raises(expected, **{key: value})
+
+
+@pytest.mark.parametrize("value", [3, "0,15", {"0": True}])
+def test_dense_layers_not_a_list(value):
+    _raises(["'dense_layers'", "must be a list of layer indices"], dense_layers=value)
+
+
+@pytest.mark.parametrize("entry", [-1, "3", True, 1.0])
+def test_dense_layers_bad_entry(entry):
+    _raises(["'dense_layers'", "non-negative integers", repr(entry)], dense_layers=[0, entry])
+
+
+def test_inherit_centre_must_be_bool():
+    _raises(["'inherit_centre'", "true or false"], inherit_centre=1)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.1, True, "0.1"])
+def test_budget_fraction_out_of_range(value):
+    _raises(["'budget_fraction'", "(0, 1]"], budget_fraction=value)
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+@pytest.mark.parametrize(
+    "key,value,allowed",
+    [
+        ("K", 0, "1..16"),
+        ("K", 17, "1..16"),
+        ("K", -3, "1..16"),
+        ("L", 1, "2..1024"),
+        ("L", 1025, "2..1024"),
+        ("sink_tokens", -1, ">= 0"),
+        ("local_window", -64, ">= 0"),
+        ("min_sparse_context", -1, ">= 0"),
+        ("segment_tokens", 8, "16..32768"),
+        ("max_segment_tokens", 65536, "16..32768"),
+        ("index_memory_mb", 0, ">= 1"),
+        ("log_stats_interval", -1, ">= 0"),
+    ],
+)
+def test_out_of_range_names_key_and_range(key, value, allowed):
+    _raises([f"'{key}'={value}", "out of range", f"allowed: {allowed}"], **{key: value})
+
+
+@pytest.mark.parametrize("key,allowed", [("centering", CENTERINGS), ("decode_method", DECODE_METHODS)])
+def test_bad_choice_lists_allowed_values(key, allowed):
+    msg = _raises([f"'{key}'='bogus'", "not supported", "allowed:"], **{key: "bogus"})
+    for v in allowed:
+        assert v in msg.split("allowed:", 1)[1], msg
+
+
+def test_choice_sets_are_the_documented_ones():
+    assert set(CENTERINGS) == {"request", "global", "segment", "none"}
+    assert set(DECODE_METHODS) == {"magicpig", "exact", "topk", "quest"}
+
+
+def test_max_segment_smaller_than_segment():
+    _raises(["'max_segment_tokens'=512", "'segment_tokens'=1024", ">="], max_segment_tokens=512)
+    _raises(["'max_segment_tokens'=1024", "'segment_tokens'=2048"],
+            segment_tokens=2048, max_segment_tokens=1024)
+
+
+def test_error_is_a_value_error():
+    # vLLM front ends report ValueErrors as config errors; keep it one.
+    assert issubclass(MagicPigConfigError, ValueError)
+
+
+# --------------------------------------------------------------------------- model-dependent checks
+
+
+def test_dense_layers_outside_model():
+    cfg = _parse(dense_layers=[0, 30])
+    with pytest.raises(MagicPigConfigError) as ei:
+        validate_for_model(cfg, num_layers=30, block_size=128)
+    msg = str(ei.value)
+    assert "'dense_layers'" in msg and "[30]" in msg and "allowed: 0..29" in msg, msg
+    validate_for_model(_parse(dense_layers=[0, 29]), num_layers=30, block_size=128)  # last layer is fine
+
+
+def test_dense_layers_default_is_first_and_middle():
+    cfg = MagicPigConfig()
+    assert cfg.resolved_dense_layers(30) == frozenset({0, 15})
+    assert cfg.resolved_dense_layers(32) == frozenset({0, 16})  # the paper's 0 and 16 of 32
+    assert cfg.resolved_dense_layers(1) == frozenset({0})
+    assert _parse(dense_layers=[]).resolved_dense_layers(30) == frozenset()
+    assert _parse(dense_layers=[3, 7]).resolved_dense_layers(30) == frozenset({3, 7})
+
+
+@pytest.mark.parametrize("key,value", [("segment_tokens", 1000), ("max_segment_tokens", 30000)])
+def test_segment_sizes_must_be_block_multiples(key, value):
+    cfg = _parse(**{key: value})
+    with pytest.raises(MagicPigConfigError) as ei:
+        validate_for_model(cfg, num_layers=30, block_size=128)
+    msg = str(ei.value)
+    assert f"'{key}'={value}" in msg and "multiple of the KV block size (128)" in msg, msg
+
+
+def test_validate_for_model_accepts_defaults():
+    validate_for_model(MagicPigConfig(), num_layers=30, block_size=128)
+    validate_for_model(MagicPigConfig(), num_layers=30, block_size=None)
+    validate_for_model(MagicPigConfig(), num_layers=30, block_size=32)
+
+
+# --------------------------------------------------------------------------- control
+
+
+@pytest.fixture
+def reset_decode_method():
+    yield
+    control.set_decode_method(None)
+
+
+def test_set_decode_method(reset_decode_method):
+    assert control.decode_method("magicpig") == "magicpig"
+    for m in DECODE_METHODS:
+        assert control.set_decode_method(m) == m
+        assert control.decode_method("magicpig") == m
+    assert control.set_decode_method(None) is None
+    assert control.decode_method("topk") == "topk"  # back to the configured method
+
+
+@pytest.mark.parametrize("bad", ["bogus", "MAGICPIG", ""])
+def test_set_decode_method_rejects_unknown(reset_decode_method, bad):
+    control.set_decode_method("exact")
+    with pytest.raises(ValueError) as ei:
+        control.set_decode_method(bad)
+    msg = str(ei.value)
+    assert repr(bad) in msg and all(m in msg for m in DECODE_METHODS), msg
+    assert control.decode_method("magicpig") == "exact"  # a rejected call changes nothing

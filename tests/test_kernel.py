@@ -1,0 +1,357 @@
+"""Tests of the MagicPIG C++ kernel against the float64 torch reference.
+
+Inputs are fresh random every run; each test draws its own seed and puts it in every assertion
+message so a failure can be replayed (set MAGICPIG_TEST_SEED to force one).
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from vllm_magicpig import kernel as kx
+from vllm_magicpig import reference as ref
+
+HAS_FAST = kx.active_isa() != "scalar"
+PATHS = [True, False] if HAS_FAST else [True]  # force_scalar values to run
+
+
+def new_seed():
+    s = int(os.environ.get("MAGICPIG_TEST_SEED", random.randrange(2**31)))
+    return s, torch.Generator().manual_seed(s)
+
+
+def make_keys(n, hkv, D, gen, offset=3.0, dtype=torch.bfloat16):
+    """Keys with a strong common offset (as real models have) plus noise; random values."""
+    off = torch.randn(hkv, D, generator=gen) * offset / math.sqrt(D) * 4
+    keys = (torch.randn(n, hkv, D, generator=gen) + off).to(dtype)
+    vals = torch.randn(n, hkv, D, generator=gen).to(dtype)
+    return keys, vals
+
+
+class Case:
+    """One batch: per request a context, a covered range split into segments, and dense ranges."""
+
+    def __init__(self, gen, lens, hkv, G, D, K, L, dtype=torch.bfloat16, seg_sizes=None, sink=4,
+                 window=16, block_size=16, qdtype=None, query_scale=1.0):
+        self.gen, self.hkv, self.H, self.D, self.K, self.L = gen, hkv, hkv * G, D, K, L
+        self.scale = D ** -0.5
+        self.W = torch.randn(D, K * L, generator=gen)
+        self.ctx, self.segs, self.ranges, self.covered, self.centres = [], [], [], [], []
+        for r, n in enumerate(lens):
+            keys, vals = make_keys(n, hkv, D, gen, dtype=dtype)
+            a = min(sink, n)
+            b = max(a, n - window)
+            sizes = (seg_sizes[r] if seg_sizes else ([b - a] if b > a else []))
+            assert sum(sizes) <= b - a
+            centre = keys[a:b].float().mean(0) if b > a else torch.zeros(hkv, D)
+            segs, p = [], a
+            for s in sizes:
+                segs.append(kx.build_segment(keys[p:p + s], vals[p:p + s], centre, self.W, K, L))
+                p += s
+            cov = torch.zeros(n, dtype=torch.bool)
+            cov[a:p] = True
+            self.ctx.append((keys, vals))
+            self.segs.append(segs)
+            self.ranges.append([[0, a], [p, n]])
+            self.covered.append(cov)
+            self.centres.append(centre)
+        self.kview, self.vview, self.bt, self._cache = ref.to_paged(self.ctx, block_size, generator=gen)
+        self.dense_ranges = torch.tensor(self.ranges, dtype=torch.int32)
+        qd = qdtype or dtype
+        self.query = (torch.randn(len(lens), self.H, D, generator=gen) * query_scale).to(qd)
+        self.qcodes = kx.hash_codes(self.query.reshape(-1, D), self.W, K, L).view(len(lens), self.H, L)
+        kvh = torch.arange(self.H) // G
+        self.qdc = torch.stack([(self.query[r].double() * self.centres[r].double()[kvh]).sum(-1)
+                                for r in range(len(lens))]).float()
+
+    def run(self, force_scalar, segs=None):
+        R = len(self.ctx)
+        out = torch.full((R, self.H, self.D), float("nan"), dtype=self.query.dtype)
+        lse = torch.full((R, self.H), float("nan"))
+        cnt = torch.full((R, self.H), -7, dtype=torch.int64)
+        kx.sparse_decode_attention(self.query, self.qcodes, self.qdc, segs or self.segs, self.kview,
+                                   self.vview, self.bt, self.dense_ranges, self.scale, self.K, self.L,
+                                   out, lse, cnt, force_scalar=force_scalar)
+        return out, lse, cnt
+
+    def reference(self, r):
+        """Reference estimator for request r using the kernel's own codes (tests the retrieval and
+        the estimator exactly; code agreement is tested separately)."""
+        keys, vals = self.ctx[r]
+        n = keys.shape[0]
+        kcodes = torch.zeros(self.hkv, self.L, n, dtype=torch.long)
+        p = self.ranges[r][0][1]
+        for s in self.segs[r]:
+            kcodes[:, :, p:p + s.num_tokens] = s.codes().long()
+            p += s.num_tokens
+        return ref.magicpig_attention(self.query[r], keys, vals, self.centres[r], self.W, self.K, self.L,
+                                      self.covered[r], self.scale, query_codes=self.qcodes[r].long(),
+                                      kcodes=kcodes, query_dot_centre=self.qdc[r])
+
+
+def check_case(case, seed, force_scalar, tag=""):
+    out, lse, cnt = case.run(force_scalar)
+    msg = f"seed={seed} force_scalar={force_scalar} {tag}"
+    assert not torch.isnan(out).any(), msg
+    for r in range(len(case.ctx)):
+        ro, rl, rs = case.reference(r)
+        assert cnt[r].tolist() == rs.sum(-1).tolist(), f"sample counts differ ({msg} r={r})"
+        o = out[r].double()
+        err = (o - ro).abs() - (1e-2 + 1e-2 * ro.abs())
+        assert err.max() <= 0, f"output mismatch max {(o - ro).abs().max():.3g} ({msg} r={r})"
+        fin = torch.isfinite(rl)
+        assert torch.equal(fin, torch.isfinite(lse[r])), f"lse finiteness ({msg} r={r})"
+        assert (rl[~fin] == -math.inf).all() and (lse[r][~fin] == -math.inf).all(), msg
+        assert (o[~fin] == 0).all(), f"empty union must give 0 ({msg})"
+        if fin.any():
+            d = (lse[r].double()[fin] - rl[fin]).abs().max()
+            assert d < 2e-3, f"lse mismatch {d:.3g} ({msg} r={r})"
+    return out, lse, cnt
+
+
+# --------------------------------------------------------------------------- hashing and index
+@pytest.mark.parametrize("K,L,n", [(10, 150, 1500), (16, 8, 700), (1, 32, 50), (7, 3, 5000)])
+def test_codes_match_reference(K, L, n):
+    seed, gen = new_seed()
+    hkv, D = 2, 64
+    keys, vals = make_keys(n, hkv, D, gen)
+    centre = keys.float().mean(0)
+    W = torch.randn(D, K * L, generator=gen)
+    seg = kx.build_segment(keys, vals, centre, W, K, L)
+    got = seg.codes().long()
+    want = ref.key_codes(keys, centre, W, K, L)
+    kc = keys.double() - centre.double()
+    for h in range(hkv):
+        diff = got[h].T != want[h].T  # [n, L]
+        if diff.any():
+            margin = ref.projection_margin(kc[:, h], W, K, L)  # [n, L, K]
+            xor = (got[h].T ^ want[h].T)[diff]
+            bits = ((xor.unsqueeze(-1) >> torch.arange(K)) & 1).bool()
+            assert (margin[diff][bits] < 1e-5).all(), f"code bits differ beyond float32 ties (seed={seed})"
+    # Queries go through the same hashing.
+    x = torch.randn(33, D, generator=gen)
+    qc = kx.hash_codes(x, W, K, L).long()
+    d = qc != ref.simhash_codes(x, W, K, L)
+    if d.any():
+        assert (ref.projection_margin(x, W, K, L)[d].min(-1).values < 1e-5).all(), f"seed={seed}"
+    assert seg.num_tokens == n and seg.num_kv_heads == hkv and seg.head_dim == D and seg.K == K and seg.L == L
+
+
+def test_index_memory_target():
+    seed, gen = new_seed()
+    K, L, n, hkv, D = 10, 150, 4096, 2, 64
+    keys, vals = make_keys(n, hkv, D, gen)
+    seg = kx.build_segment(keys, vals, keys.float().mean(0), torch.randn(D, K * L, generator=gen), K, L)
+    per_tok = seg.index_bytes / (n * hkv)
+    assert per_tok <= 1.5 * L * 2, f"{per_tok} index bytes/token/KV head (seed={seed})"
+    assert seg.mirror_bytes == 2 * n * hkv * D * 2 + n * hkv * 4
+    # K = 16: the compact directory must stay far below a dense 2^16 table per (head, table).
+    seg16 = kx.build_segment(keys[:1000], vals[:1000], keys.float().mean(0), torch.randn(D, 16 * 8, generator=gen), 16, 8)
+    assert seg16.index_bytes < hkv * 8 * 1000 * 8
+
+
+# --------------------------------------------------------------------------- estimator
+CONFIGS = {
+    # name: (lens, hkv, G, D, K, L, extra)
+    "d128_gqa4_bf16": ([900, 37, 2100], 2, 4, 128, 8, 40, {}),
+    "d64_gqa3_multiseg": ([3000], 3, 3, 64, 6, 30, {"seg_sizes": [[1000, 500, 1200]], "block_size": 32}),
+    "d64_mha_fp16": ([700, 1500], 2, 1, 64, 7, 50, {"dtype": torch.float16}),
+    "d128_gqa8_k16_empty": ([1200], 1, 8, 128, 16, 10, {}),
+    "d64_k1_all_sampled": ([600], 2, 4, 64, 1, 64, {}),
+    "tiny_contexts": ([1, 3, 5, 6], 1, 3, 64, 5, 20, {"sink": 2, "window": 2}),
+    "no_dense": ([800], 2, 2, 64, 8, 60, {"sink": 0, "window": 0, "block_size": 128}),
+    "dense_only": ([300, 40], 2, 3, 128, 8, 20, {"seg_sizes": [[], []], "block_size": 128}),
+    "fp32_query_gqa5": ([1300], 1, 5, 64, 9, 80, {"qdtype": torch.float32}),
+    "gqa20_two_chunks": ([500], 1, 20, 64, 6, 30, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_estimator_matches_reference(name, force_scalar):
+    seed, gen = new_seed()
+    lens, hkv, G, D, K, L, extra = CONFIGS[name]
+    case = Case(gen, lens, hkv, G, D, K, L, **extra)
+    check_case(case, seed, force_scalar, name)
+
+
+def test_edge_expectations():
+    seed, gen = new_seed()
+    # K = 16, L = 10 at ~1K tokens: essentially nothing is sampled.
+    c = Case(gen, [1200], 1, 4, 64, 16, 10, sink=0, window=0)
+    out, lse, cnt = c.run(False)
+    assert cnt.sum() <= 2, f"seed={seed}"
+    if cnt.sum() == 0:
+        assert (out == 0).all() and (lse == -math.inf).all(), f"seed={seed}"
+    # K = 1, L = 64: every key collides in >= 2 tables.
+    c = Case(gen, [500], 1, 2, 64, 1, 64, sink=0, window=0)
+    _, _, cnt = c.run(False)
+    assert (cnt == 500).all(), f"seed={seed}"
+    # No segments and no dense tokens.
+    c = Case(gen, [40], 1, 2, 64, 4, 8, seg_sizes=[[]], sink=0, window=0)
+    c.dense_ranges.zero_()
+    out, lse, cnt = c.run(True)
+    assert (out == 0).all() and (lse == -math.inf).all() and (cnt == 0).all(), f"seed={seed}"
+
+
+@pytest.mark.skipif(not HAS_FAST, reason="no AVX-512 on this CPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_path_matches_scalar(dtype):
+    seed, gen = new_seed()
+    c = Case(gen, [5000, 2000], 2, 4, 128, 9, 100, dtype=dtype, seg_sizes=[[3000, 1900], [1900]])
+    o1, l1, c1 = c.run(True)
+    o2, l2, c2 = c.run(False)
+    assert torch.equal(c1, c2), f"seed={seed}"
+    assert (o1.double() - o2.double()).abs().max() < 1e-2, f"seed={seed}"
+    assert (l1 - l2).abs().max() < 1e-3, f"seed={seed}"
+
+
+def test_long_context_64k():
+    seed, gen = new_seed()
+    n = 65536
+    # Two 32K segments (the maximum size), one KV head with two query heads.
+    c = Case(gen, [n], 1, 2, 64, 10, 150, seg_sizes=[[32768, 32768 - 4 - 64]], window=64)
+    for fs in PATHS:
+        check_case(c, seed, fs, "64K")
+
+
+def test_merge_equals_single_build():
+    seed, gen = new_seed()
+    for K, L in ((8, 40), (14, 12)):
+        c = Case(gen, [2500], 2, 3, 64, K, L, seg_sizes=[[700, 300, 1000]])
+        keys, vals = c.ctx[0]
+        whole = kx.build_segment(keys[4:2004], vals[4:2004], c.centres[0], c.W, K, L)
+        merged = kx.merge_segments(c.segs[0])
+        assert merged.num_tokens == 2000
+        assert torch.equal(merged.codes(), whole.codes()), f"seed={seed} K={K}"
+        assert merged.index_bytes == whole.index_bytes and merged.mirror_bytes == whole.mirror_bytes
+        for fs in PATHS:
+            a = c.run(fs, segs=[[whole]])
+            b = c.run(fs, segs=[[merged]])
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"merged != single build (seed={seed} K={K} force_scalar={fs})"
+
+
+# --------------------------------------------------------------------------- statistical sanity
+def rel_err(out, exact):
+    return ((out.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).mean().item()
+
+
+def test_error_falls_as_L_grows():
+    seed, gen = new_seed()
+    errs = {L: [] for L in (20, 80, 300)}
+    for _ in range(3):
+        n, hkv, D, G, K = 3000, 1, 64, 4, 8
+        keys, vals = make_keys(n, hkv, D, gen)
+        q = keys[torch.randint(0, n, (G,), generator=gen), 0].float() * 2.0  # peaked attention
+        centre = keys[4:n - 16].float().mean(0)
+        exact, _ = ref.exact_attention(q, keys, vals, D ** -0.5)
+        for L in errs:
+            W = torch.randn(D, K * L, generator=gen)
+            cov = torch.zeros(n, dtype=torch.bool)
+            cov[4:n - 16] = True
+            out, _, _ = ref.magicpig_attention(q, keys, vals, centre, W, K, L, cov, D ** -0.5)
+            errs[L].append(rel_err(out, exact))
+    e = {L: sum(v) / len(v) for L, v in errs.items()}
+    assert e[300] < e[80] < e[20], f"error should fall with L: {e} (seed={seed})"
+
+
+def test_centering_helps_and_finds_needle():
+    seed, gen = new_seed()
+    n, D, K, L = 4000, 64, 10, 150
+    off = torch.randn(D, generator=gen)
+    off = off / off.norm() * 30  # a strong common offset, as in real models
+    keys = (torch.randn(n, 1, D, generator=gen) + off).bfloat16()
+    vals = torch.randn(n, 1, D, generator=gen).bfloat16()
+    q = torch.randn(D, generator=gen) - off / 30 * 4  # queries point away from the key cone
+    needle = 1234
+    keys[needle, 0] = (off + q / q.norm() * 12).bfloat16()
+    W = torch.randn(D, K * L, generator=gen)
+    exact, _ = ref.exact_attention(q[None], keys, vals, D ** -0.5)
+    kv = [(keys, vals)]
+    res = {}
+    for name, centre in (("centred", keys.float().mean(0)), ("raw", torch.zeros(1, D))):
+        seg = kx.build_segment(keys, vals, centre, W, K, L)
+        kview, vview, bt, _ = ref.to_paged(kv, 16, generator=gen)
+        query = q.view(1, 1, D).bfloat16()
+        qc = kx.hash_codes(query[0], W, K, L).view(1, 1, L)
+        qdc = (query[0].double() @ centre.double().T).float()
+        out = torch.empty(1, 1, D, dtype=torch.bfloat16)
+        cnt = torch.zeros(1, 1, dtype=torch.int64)
+        kx.sparse_decode_attention(query, qc, qdc, [[seg]], kview, vview, bt,
+                                   torch.zeros(1, 2, 2, dtype=torch.int32), D ** -0.5, K, L, out, None, cnt)
+        kcodes = seg.codes().long()
+        sampled = ref.sample_mask(qc[0].long(), kcodes)[0]
+        res[name] = (cnt.item() / n, bool(sampled[needle]), rel_err(out[0], exact))
+    assert res["centred"][0] > 2 * res["raw"][0], f"centring should raise the sampled fraction {res} (seed={seed})"
+    assert res["centred"][1], f"needle not sampled with centring {res} (seed={seed})"
+    assert res["centred"][2] < res["raw"][2], f"centring should lower the error {res} (seed={seed})"
+
+
+# --------------------------------------------------------------------------- bad input
+def test_bad_inputs_raise():
+    seed, gen = new_seed()
+    c = Case(gen, [300], 2, 1, 64, 6, 20)
+    keys, vals = c.ctx[0]
+    W = c.W
+    with pytest.raises(ValueError, match="K must"):
+        kx.build_segment(keys, vals, c.centres[0], W, 17, 20)
+    with pytest.raises(ValueError, match="L must"):
+        kx.build_segment(keys, vals, c.centres[0], torch.randn(64, 6), 6, 1)
+    with pytest.raises(TypeError, match="dtype"):
+        kx.build_segment(keys.float(), vals.float(), c.centres[0], W, 6, 20)
+    with pytest.raises(TypeError, match="values dtype"):
+        kx.build_segment(keys, vals.half(), c.centres[0], W, 6, 20)
+    with pytest.raises(ValueError, match="projection"):
+        kx.build_segment(keys, vals, c.centres[0], W[:, :10], 6, 20)
+    with pytest.raises(ValueError, match="centre"):
+        kx.build_segment(keys, vals, c.centres[0][:, :32], W, 6, 20)
+    with pytest.raises(ValueError, match="tokens"):
+        kx.build_segment(keys[:0], vals[:0], c.centres[0], W, 6, 20)
+    with pytest.raises(ValueError, match="different K"):
+        kx.merge_segments([c.segs[0][0], kx.build_segment(keys, vals, c.centres[0], torch.randn(64, 40), 2, 20)])
+    with pytest.raises(ValueError, match="shape"):
+        kx.hash_codes(torch.randn(3, 32), W, 6, 20)
+
+    def call(**kw):
+        args = dict(query=c.query, query_codes=c.qcodes, query_dot_centre=c.qdc, segments=c.segs,
+                    key_cache=c.kview, value_cache=c.vview, block_table=c.bt, dense_ranges=c.dense_ranges,
+                    scale=c.scale, K=6, L=20, out=torch.empty_like(c.query))
+        args.update(kw)
+        kx.sparse_decode_attention(**args)
+
+    call()  # the unmodified call is fine
+    with pytest.raises(ValueError, match="query_codes"):
+        call(query_codes=c.qcodes[:, :, :5].contiguous())
+    with pytest.raises(TypeError, match="query_codes"):
+        call(query_codes=c.qcodes.long())
+    with pytest.raises(ValueError, match=r"2\^K"):
+        call(query_codes=c.qcodes + 64)
+    with pytest.raises(ValueError, match="segments"):
+        call(segments=[])
+    with pytest.raises(ValueError, match=r"\(Hkv, D, K, L\)"):
+        call(K=5, query_codes=c.qcodes % 32)
+    with pytest.raises(ValueError, match="K must"):
+        call(K=0)
+    with pytest.raises(TypeError, match="out dtype"):
+        call(out=torch.empty(c.query.shape))
+    with pytest.raises(TypeError, match="dtype"):
+        call(value_cache=c.vview.half())
+    with pytest.raises(ValueError, match="block ids"):
+        call(block_table=c.bt + 1000)
+    with pytest.raises(ValueError, match="past the block table"):
+        call(dense_ranges=torch.tensor([[[0, 4], [290, 10000]]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="half-open"):
+        call(dense_ranges=torch.tensor([[[4, 0], [0, 0]]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        call(query=torch.randn(1, 3, 64).bfloat16(), out=torch.empty(1, 3, 64).bfloat16())
+    with pytest.raises(TypeError, match="Tensor"):
+        call(block_table=c.bt.tolist())
+
+
+def test_active_isa_reported():
+    assert kx.active_isa() in ("avx512_bf16", "avx512", "scalar")

@@ -1,0 +1,209 @@
+"""The CPU-side LSH index: centres, segments, their life cycle and the memory cap.
+
+vLLM gives attention backends no request ids, only block tables and sequence lengths,
+so everything here is keyed by KV block ids:
+
+* A **centre** (the per-request key mean the paper subtracts before hashing) is
+  registered under the block ids of the prompt blocks it was computed from. A request
+  finds its centre as the longest registered block run that prefixes its block table,
+  so requests whose prompts share those blocks (prefix caching) share the centre.
+* A **segment** is an LSH index over an aligned run of full blocks, keyed by
+  ``(centre id, first token, size, block ids)``. Sizes are ``segment_tokens * 2**k``
+  (levels): a run of small segments merges into a larger one, so lookups stay cheap at
+  long context and the uncovered tail stays under ``segment_tokens``.
+* Full KV blocks are immutable while allocated, so a KV write into a block that a
+  centre or segment covers means vLLM freed and reused it: those entries are dropped.
+* The store is capped (``index_memory_mb``); least recently used segments go first.
+  A request whose segments cannot be held is attended exactly (stats: ``evicted``).
+
+One ``IndexStore`` per worker process holds every layer's entries, so the block
+bookkeeping runs once per step, not once per layer.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_magicpig import kernel
+from vllm_magicpig.stats import STATS
+
+SegmentKey = tuple  # (cid, start_token, size, block_ids tuple)
+
+
+@dataclass(frozen=True)
+class CentreSpec:
+    """Where a centre's keys come from: tokens [start, end) of ``blocks``."""
+
+    cid: int
+    blocks: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass
+class _CentreEntry:
+    blocks: tuple[int, ...]  # the block run this entry is found under
+    spec: CentreSpec  # the centre it resolves to (an inherited entry points to an older spec)
+
+
+class IndexStore:
+    def __init__(self) -> None:
+        self.step = 0
+        self._next_cid = 1
+        # centre entries, found by the first block of the run
+        self._centres_by_first: dict[int, list[_CentreEntry]] = defaultdict(list)
+        self._centre_specs: dict[int, CentreSpec] = {}
+        self._centre_tensors: dict[tuple[str, int], torch.Tensor] = {}
+        # segments: (layer, key) -> Segment, in LRU order
+        self._segments: OrderedDict[tuple[str, SegmentKey], kernel.Segment] = OrderedDict()
+        self._last_used: dict[tuple[str, SegmentKey], int] = {}
+        self._keys_by_cid: dict[int, set[SegmentKey]] = defaultdict(set)
+        self._layers_by_key: dict[SegmentKey, set[str]] = defaultdict(set)
+        # block id -> what depends on it
+        self._block_segments: dict[int, set[SegmentKey]] = defaultdict(set)
+        self._block_centres: dict[int, set[int]] = defaultdict(set)
+        self.index_bytes = 0
+        self.mirror_bytes = 0
+
+    # ------------------------------------------------------------------ centres
+    def find_centre(self, row: list[int]) -> CentreSpec | None:
+        """The centre registered under the longest block run that prefixes ``row``."""
+        if not row:
+            return None
+        best = None
+        for entry in self._centres_by_first.get(row[0], ()):
+            n = len(entry.blocks)
+            if n <= len(row) and (best is None or n > len(best.blocks)) and tuple(row[:n]) == entry.blocks:
+                best = entry
+        return best.spec if best else None
+
+    def new_centre(self, blocks: tuple[int, ...], start: int, end: int) -> CentreSpec:
+        spec = CentreSpec(self._next_cid, blocks, start, end)
+        self._next_cid += 1
+        self._centre_specs[spec.cid] = spec
+        self._add_centre_entry(blocks, spec)
+        STATS.index["centres_computed"] += 1
+        return spec
+
+    def inherit_centre(self, blocks: tuple[int, ...], spec: CentreSpec) -> None:
+        """Register ``spec`` (a prefix's centre) under a longer prompt's blocks too."""
+        self._add_centre_entry(blocks, spec)
+        STATS.index["centres_inherited"] += 1
+
+    def _add_centre_entry(self, blocks: tuple[int, ...], spec: CentreSpec) -> None:
+        self._centres_by_first[blocks[0]].append(_CentreEntry(blocks, spec))
+        for b in blocks:
+            self._block_centres[b].add(spec.cid)
+
+    def centre_tensor(self, layer: str, cid: int) -> torch.Tensor | None:
+        return self._centre_tensors.get((layer, cid))
+
+    def put_centre_tensor(self, layer: str, cid: int, c: torch.Tensor) -> None:
+        self._centre_tensors[(layer, cid)] = c
+
+    def centre_spec(self, cid: int) -> CentreSpec | None:
+        return self._centre_specs.get(cid)
+
+    def _drop_centre(self, cid: int) -> None:
+        spec = self._centre_specs.pop(cid, None)
+        if spec is None:
+            return
+        for first, entries in list(self._centres_by_first.items()):
+            kept = [e for e in entries if e.spec.cid != cid]
+            for e in entries:
+                if e.spec.cid == cid:
+                    for b in e.blocks:
+                        refs = self._block_centres.get(b)
+                        if refs is not None:
+                            refs.discard(cid)
+                            if not refs:
+                                del self._block_centres[b]
+            if kept:
+                self._centres_by_first[first] = kept
+            else:
+                del self._centres_by_first[first]
+        for key in [k for k in self._centre_tensors if k[1] == cid]:
+            del self._centre_tensors[key]
+        for key in list(self._keys_by_cid.pop(cid, ())):
+            self._drop_key_everywhere(key)
+        STATS.index["centres_invalidated"] += 1
+
+    # ------------------------------------------------------------------ segments
+    def get_segment(self, layer: str, key: SegmentKey) -> kernel.Segment | None:
+        k = (layer, key)
+        seg = self._segments.get(k)
+        if seg is not None:
+            self._segments.move_to_end(k)
+            self._last_used[k] = self.step
+        return seg
+
+    def put_segment(self, layer: str, key: SegmentKey, seg: kernel.Segment) -> None:
+        k = (layer, key)
+        self._segments[k] = seg
+        self._last_used[k] = self.step
+        self._keys_by_cid[key[0]].add(key)
+        self._layers_by_key[key].add(layer)
+        for b in key[3]:
+            self._block_segments[b].add(key)
+        self.index_bytes += seg.index_bytes
+        self.mirror_bytes += seg.mirror_bytes
+        self._publish()
+
+    def drop_segment(self, layer: str, key: SegmentKey) -> None:
+        seg = self._segments.pop((layer, key), None)
+        if seg is None:
+            return
+        self._last_used.pop((layer, key), None)
+        self.index_bytes -= seg.index_bytes
+        self.mirror_bytes -= seg.mirror_bytes
+        layers = self._layers_by_key.get(key)
+        if layers is not None:
+            layers.discard(layer)
+            if not layers:
+                del self._layers_by_key[key]
+                self._keys_by_cid.get(key[0], set()).discard(key)
+                for b in key[3]:
+                    refs = self._block_segments.get(b)
+                    if refs is not None:
+                        refs.discard(key)
+                        if not refs:
+                            del self._block_segments[b]
+        self._publish()
+
+    def _drop_key_everywhere(self, key: SegmentKey) -> None:
+        for layer in list(self._layers_by_key.get(key, ())):
+            self.drop_segment(layer, key)
+
+    def enforce_cap(self, cap_bytes: int) -> bool:
+        """Evict least recently used segments not used in this step. True if under the cap."""
+        while self.index_bytes + self.mirror_bytes > cap_bytes and self._segments:
+            k, _ = next(iter(self._segments.items()))
+            if self._last_used.get(k) == self.step:
+                return False  # everything left is in use right now
+            self.drop_segment(*k)
+            STATS.index["segments_evicted"] += 1
+        return self.index_bytes + self.mirror_bytes <= cap_bytes
+
+    # ------------------------------------------------------------------ life cycle
+    def on_blocks_written(self, blocks) -> None:
+        """A KV write landed in these blocks: drop what was built from their old content."""
+        for b in blocks:
+            for cid in list(self._block_centres.pop(b, ())):
+                self._drop_centre(cid)
+            for key in list(self._block_segments.get(b, ())):
+                self._drop_key_everywhere(key)
+                STATS.index["segments_invalidated"] += 1
+
+    def _publish(self) -> None:
+        STATS.index_bytes = self.index_bytes
+        STATS.mirror_bytes = self.mirror_bytes
+        STATS.index["segments_live"] = len(self._segments)
+
+    def clear(self) -> None:
+        self.__init__()
+        self._publish()
+
+
+STORE = IndexStore()

@@ -1,0 +1,267 @@
+"""Python face of the MagicPIG CPU kernel (``vllm_magicpig._C``).
+
+Everything is validated here, so the C++ side only ever sees well-formed pointers and sizes; a bad
+argument raises ``ValueError``/``TypeError`` instead of crashing the process.  This module must not
+import vLLM.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _C
+
+__all__ = [
+    "Segment", "build_segment", "merge_segments", "hash_codes", "sparse_decode_attention",
+    "active_isa", "MAX_SEGMENT_TOKENS",
+]
+
+MAX_SEGMENT_TOKENS = 32768  # token ids inside a segment are uint16
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
+_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
+
+
+def active_isa() -> str:
+    """The fastest path this CPU runs: "avx512_bf16", "avx512" or "scalar"."""
+    return _C.active_isa()
+
+
+class Segment:
+    """An immutable LSH index over a contiguous run of tokens, with its own row-major K/V copy.
+
+    Thread-safe to read from any number of kernel calls at once; it owns all its memory, so the
+    tensors it was built from may be freed right after :func:`build_segment` returns.
+    """
+
+    __slots__ = ("_c",)
+
+    def __init__(self, c):
+        self._c = c
+
+    num_tokens = property(lambda self: self._c.num_tokens)
+    num_kv_heads = property(lambda self: self._c.num_kv_heads)
+    head_dim = property(lambda self: self._c.head_dim)
+    K = property(lambda self: self._c.K)
+    L = property(lambda self: self._c.L)
+    index_bytes = property(lambda self: self._c.index_bytes, doc="CSR ids + bucket directory")
+    mirror_bytes = property(lambda self: self._c.mirror_bytes, doc="K/V copy + centred key norms")
+    dtype = property(lambda self: _CODE_DTYPE[self._c.dtype_code])
+
+    def codes(self) -> torch.Tensor:
+        """int32 [Hkv, L, n] codes recovered from the buckets (for tests)."""
+        c = self._c
+        out = torch.empty(c.num_kv_heads, c.L, c.num_tokens, dtype=torch.int32)
+        c.codes_into(out.data_ptr())
+        return out
+
+    def __repr__(self):
+        return (f"Segment(n={self.num_tokens}, Hkv={self.num_kv_heads}, D={self.head_dim}, K={self.K}, "
+                f"L={self.L}, dtype={self.dtype}, index_bytes={self.index_bytes}, mirror_bytes={self.mirror_bytes})")
+
+
+# ----------------------------------------------------------------------------- validation helpers
+def _tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    return t
+
+
+def _shape(name, t, shape):
+    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {list(t.shape)}")
+
+
+def _dtype(name, t, dtypes):
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def _check_kl(K, L):
+    if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 16:
+        raise ValueError(f"K must be an int in 1..16, got {K!r}")
+    if isinstance(L, bool) or not isinstance(L, int) or L < 2:
+        raise ValueError(f"L must be an int >= 2 (a key is sampled on >= 2 collisions), got {L!r}")
+
+
+def _check_projection(projection, D, K, L):
+    _tensor("projection", projection)
+    _dtype("projection", projection, (torch.float32,))
+    _shape("projection", projection, (D, K * L))
+    return projection.contiguous()
+
+
+def _check_head_dim(D):
+    if D <= 0 or D % 16:
+        raise ValueError(f"head_dim must be a positive multiple of 16, got {D}")
+
+
+# ----------------------------------------------------------------------------- segments and hashing
+def build_segment(keys, values, centre, projection, K: int, L: int) -> Segment:
+    """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table."""
+    _check_kl(K, L)
+    _tensor("keys", keys)
+    _tensor("values", values)
+    _dtype("keys", keys, tuple(_DTYPE_CODE))
+    if values.dtype != keys.dtype:
+        raise TypeError(f"values dtype {values.dtype} must match keys dtype {keys.dtype}")
+    if keys.dim() != 3:
+        raise ValueError(f"keys must have shape [n, Hkv, D], got {list(keys.shape)}")
+    n, hkv, D = keys.shape
+    _shape("values", values, (n, hkv, D))
+    if not 1 <= n <= MAX_SEGMENT_TOKENS:
+        raise ValueError(f"a segment holds 1..{MAX_SEGMENT_TOKENS} tokens, got {n}")
+    _check_head_dim(D)
+    _tensor("centre", centre)
+    _dtype("centre", centre, (torch.float32,))
+    _shape("centre", centre, (hkv, D))
+    projection = _check_projection(projection, D, K, L)
+    keys, values, centre = keys.contiguous(), values.contiguous(), centre.contiguous()
+    c = _C.build_segment(keys.data_ptr(), values.data_ptr(), n, hkv, D, _DTYPE_CODE[keys.dtype],
+                         centre.data_ptr(), projection.data_ptr(), K, L)
+    return Segment(c)
+
+
+def merge_segments(segments: Sequence[Segment]) -> Segment:
+    """Concatenate segments in order without re-hashing (bucket b = concat of the children's b)."""
+    segments = list(segments)
+    if not segments:
+        raise ValueError("merge_segments needs at least one segment")
+    for s in segments:
+        if not isinstance(s, Segment):
+            raise TypeError(f"merge_segments takes Segment objects, got {type(s).__name__}")
+    a = segments[0]
+    for s in segments[1:]:
+        for f in ("num_kv_heads", "head_dim", "K", "L", "dtype"):
+            if getattr(s, f) != getattr(a, f):
+                raise ValueError(f"cannot merge segments with different {f}: {getattr(a, f)} vs {getattr(s, f)}")
+    total = sum(s.num_tokens for s in segments)
+    if total > MAX_SEGMENT_TOKENS:
+        raise ValueError(f"merged segment would hold {total} tokens, more than {MAX_SEGMENT_TOKENS}")
+    return Segment(_C.merge_segments([s._c for s in segments]))
+
+
+def hash_codes(x, projection, K: int, L: int) -> torch.Tensor:
+    """int32 [N, L] SimHash codes of rows x [N, D], with the same arithmetic as the segment build."""
+    _check_kl(K, L)
+    _tensor("x", x)
+    _dtype("x", x, (torch.float32, torch.bfloat16, torch.float16))
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
+    N, D = x.shape
+    projection = _check_projection(projection, D, K, L)
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(N, L, dtype=torch.int32)
+    if N:
+        _C.hash_codes(x.data_ptr(), N, D, projection.data_ptr(), K, L, out.data_ptr())
+    return out
+
+
+# ----------------------------------------------------------------------------- decode attention
+def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache,
+                            block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
+                            sampled_counts=None, force_scalar: bool = False) -> None:
+    """MagicPIG decode attention for R requests (one query token each); writes ``out`` (and ``lse``,
+    ``sampled_counts``).  See the module docs of the package README for the estimator."""
+    _check_kl(K, L)
+    for name, t in (("query", query), ("query_codes", query_codes), ("query_dot_centre", query_dot_centre),
+                    ("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table),
+                    ("dense_ranges", dense_ranges), ("out", out)):
+        _tensor(name, t)
+    _dtype("query", query, (torch.bfloat16, torch.float16, torch.float32))
+    if query.dim() != 3:
+        raise ValueError(f"query must have shape [R, H, D], got {list(query.shape)}")
+    R, H, D = query.shape
+    _check_head_dim(D)
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be a 4-D view [num_blocks, block_size, Hkv, D], got {list(key_cache.shape)}")
+    num_blocks, block_size, hkv, Dk = key_cache.shape
+    if Dk != D:
+        raise ValueError(f"key_cache head_dim {Dk} != query head_dim {D}")
+    _shape("value_cache", value_cache, tuple(key_cache.shape))
+    _dtype("key_cache", key_cache, tuple(_DTYPE_CODE))
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache dtype {value_cache.dtype} must match key_cache dtype {key_cache.dtype}")
+    if hkv <= 0 or H % hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({hkv})")
+    _dtype("query_codes", query_codes, (torch.int32,))
+    _shape("query_codes", query_codes, (R, H, L))
+    _dtype("query_dot_centre", query_dot_centre, (torch.float32,))
+    _shape("query_dot_centre", query_dot_centre, (R, H))
+    _dtype("block_table", block_table, (torch.int32,))
+    if block_table.dim() != 2 or block_table.shape[0] != R:
+        raise ValueError(f"block_table must have shape [R={R}, max_blocks], got {list(block_table.shape)}")
+    max_blocks = block_table.shape[1]
+    _dtype("dense_ranges", dense_ranges, (torch.int32,))
+    _shape("dense_ranges", dense_ranges, (R, 2, 2))
+    _shape("out", out, (R, H, D))
+    if out.dtype != query.dtype:
+        raise TypeError(f"out dtype {out.dtype} must match query dtype {query.dtype}")
+    if lse is not None:
+        _tensor("lse", lse)
+        _dtype("lse", lse, (torch.float32,))
+        _shape("lse", lse, (R, H))
+        if not lse.is_contiguous():
+            raise ValueError("lse must be contiguous")
+    if sampled_counts is not None:
+        _tensor("sampled_counts", sampled_counts)
+        _dtype("sampled_counts", sampled_counts, (torch.int64,))
+        _shape("sampled_counts", sampled_counts, (R, H))
+        if not sampled_counts.is_contiguous():
+            raise ValueError("sampled_counts must be contiguous")
+    if not isinstance(segments, (list, tuple)) or len(segments) != R:
+        raise ValueError(f"segments must be a list of R={R} lists of Segment")
+    seg_c = []
+    for r, segs in enumerate(segments):
+        if not isinstance(segs, (list, tuple)):
+            raise TypeError(f"segments[{r}] must be a list of Segment, got {type(segs).__name__}")
+        row = []
+        for s in segs:
+            if not isinstance(s, Segment):
+                raise TypeError(f"segments[{r}] holds a {type(s).__name__}, not a Segment")
+            if (s.num_kv_heads, s.head_dim, s.K, s.L) != (hkv, D, K, L):
+                raise ValueError(f"segments[{r}] has (Hkv, D, K, L)={(s.num_kv_heads, s.head_dim, s.K, s.L)}, "
+                                 f"the call has {(hkv, D, K, L)}")
+            if s.dtype != key_cache.dtype:
+                raise TypeError(f"segments[{r}] dtype {s.dtype} != cache dtype {key_cache.dtype}")
+            row.append(s._c)
+        seg_c.append(row)
+    if R == 0:
+        return
+    if query_codes.numel() and (int(query_codes.min()) < 0 or int(query_codes.max()) >= (1 << K)):
+        raise ValueError(f"query_codes must lie in [0, 2^K={1 << K})")
+
+    # Dense ranges must be ordered, inside the block table, and map to existing blocks.
+    rng = dense_ranges.to(torch.int64)
+    lo, hi = rng[..., 0], rng[..., 1]
+    if bool((lo < 0).any()) or bool((hi < lo).any()):
+        raise ValueError("dense_ranges must be half-open ranges [a, b) with 0 <= a <= b")
+    if bool((hi > max_blocks * block_size).any()):
+        raise ValueError(f"dense_ranges reach past the block table ({max_blocks} blocks x {block_size} tokens)")
+    nonempty = hi > lo
+    if bool(nonempty.any()):
+        idx = torch.arange(max_blocks).view(1, 1, -1)
+        used = (nonempty.unsqueeze(-1) & (idx >= (lo // block_size).unsqueeze(-1))
+                & (idx <= ((hi - 1).clamp(min=0) // block_size).unsqueeze(-1))).any(dim=1)
+        ids = block_table[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(f"block_table holds block ids outside [0, {num_blocks}) for dense tokens")
+
+    q = query.to(torch.float32).contiguous()
+    qc = query_codes.contiguous()
+    qdc = query_dot_centre.contiguous()
+    bt = block_table.contiguous()
+    dr = dense_ranges.contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    o = out if direct else torch.empty(R, H, D, dtype=torch.float32)
+    _C.sparse_decode(R, H, hkv, D, K, L, _DTYPE_CODE[key_cache.dtype], float(scale), q.data_ptr(),
+                     query.dtype == torch.bfloat16, qc.data_ptr(), qdc.data_ptr(), seg_c,
+                     key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
+                     list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
+                     o.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                     0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar))
+    if not direct:
+        out.copy_(o)
