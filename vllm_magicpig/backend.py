@@ -152,9 +152,9 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
             prefill = super().build(0, p_cam, fast_build)
         elif num_decodes:
             decode = full
-        method = control.decode_method(self.cfg.decode_method)
+        settings = control.settings(self.cfg)
         self.planner.observe_step(cam, num_decodes)
-        plan = self.planner.plan(cam, num_decodes, method) if num_decodes else None
+        plan = self.planner.plan(cam, num_decodes, settings) if num_decodes else None
         if self.cfg.log_stats_interval and STATS.steps % self.cfg.log_stats_interval == 0:
             logger.info(STATS.summary_line())
         return MagicPigMetadata(
@@ -164,7 +164,7 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
             num_prefills=num_prefills,
             decode=decode,
             prefill=prefill,
-            decode_method=method,
+            decode_method=settings.method,
             sparse_plan=plan,
         )
 

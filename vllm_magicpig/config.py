@@ -14,7 +14,7 @@ CONFIG_KEY = "magicpig"
 CENTERINGS = ("request", "none")
 # Evaluation-only decode methods (see README "Accuracy harness"): they run in the same
 # decode path so that the baselines are measured exactly where MAGICPIG is.
-DECODE_METHODS = ("magicpig", "exact")
+DECODE_METHODS = ("magicpig", "exact", "topk", "quest")
 
 
 class MagicPigConfigError(ValueError):
@@ -59,7 +59,8 @@ class MagicPigConfig:
     """Log the counters every N engine steps (0 = never)."""
     # --- evaluation only ---
     decode_method: str = "magicpig"
-    """Evaluation only: 'exact' serves every decode exactly through the same path."""
+    """Evaluation only: 'exact', and the 'topk' / 'quest' baselines at ``budget_fraction``
+    of the indexed keys, run in the same decode path as MAGICPIG."""
     budget_fraction: float = 0.04
     """Evaluation only: the key budget of the 'topk' and 'quest' baselines."""
     quest_page_size: int = 16

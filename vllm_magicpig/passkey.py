@@ -36,16 +36,24 @@ def build(tokenizer, context_tokens: int, seed: int = 0, depth: float = 0.5,
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    filler_len = len(tokenizer.encode(FILLER, add_special_tokens=False))
-    overhead = len(tokenizer.encode(_TASK + needle + _QUESTION, add_special_tokens=False)) + 24
-    reps = max(1, (context_tokens - overhead) // filler_len)
-    before = int(reps * depth)
-    body = _TASK + FILLER * before + needle + FILLER * (reps - before) + _QUESTION
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True
-        )
-    else:
-        text = body
-    n = len(tokenizer.encode(text, add_special_tokens=False))
+
+    def render(reps: int) -> str:
+        before = int(reps * depth)
+        body = _TASK + FILLER * before + needle + FILLER * (reps - before) + _QUESTION
+        if chat and getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(
+                [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True
+            )
+        return body
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    # Token cost per filler repetition, measured on the real text (merges at the seams
+    # make it differ from the filler's own length), then sized to the target.
+    base, probe = count(render(0)), count(render(100))
+    per_rep = (probe - base) / 100
+    reps = max(1, int((context_tokens - base) / per_rep))
+    text = render(reps)
+    n = count(text)
     return PassKeyPrompt(text=text, pass_key=key, num_tokens=n)

@@ -8,8 +8,9 @@
    backend on CPU" and silently runs CPU_ATTN.
 4. The platform's start-up config check also validates the MAGICPIG config and the
    model, so a bad config fails in the front end with a clear message, not mid-serve.
-5. The worker wrapper gains ``magicpig_stats`` / ``magicpig_reset_stats`` /
-   ``magicpig_set_decode_method`` for ``LLM.collective_rpc``.
+5. The worker wrapper gains ``magicpig_stats``, ``magicpig_reset_stats``,
+   ``magicpig_clear_index``, ``magicpig_set_decode_method`` and ``magicpig_set_eval`` for
+   ``LLM.collective_rpc`` (named methods need no insecure serialization).
 """
 from __future__ import annotations
 
@@ -106,3 +107,11 @@ def _patch_worker_rpc() -> None:
     WorkerWrapperBase.magicpig_stats = lambda self: STATS.snapshot()
     WorkerWrapperBase.magicpig_reset_stats = lambda self: STATS.reset()
     WorkerWrapperBase.magicpig_set_decode_method = lambda self, method: control.set_decode_method(method)
+    WorkerWrapperBase.magicpig_set_eval = lambda self, **kw: control.set_eval(**kw)
+    WorkerWrapperBase.magicpig_clear_index = lambda self: _clear_index()
+
+
+def _clear_index() -> None:
+    from vllm_magicpig.index import STORE
+
+    STORE.clear()

@@ -21,6 +21,7 @@ import torch
 
 from vllm_magicpig import kernel
 from vllm_magicpig.config import MagicPigConfig
+from vllm_magicpig.control import StepSettings
 from vllm_magicpig.index import STORE, CentreSpec
 from vllm_magicpig.stats import EXACT_EVICTED, EXACT_METHOD, EXACT_SHORT_CONTEXT, STATS
 
@@ -61,6 +62,7 @@ class SegmentRef:
 
 @dataclass
 class DecodePlan:
+    settings: StepSettings
     num_decodes: int
     block_table: torch.Tensor  # int32 [R, max_blocks]
     seq_lens: list[int]
@@ -104,15 +106,15 @@ class StepPlanner:
             while len(self._prefill_ends) > 4096:
                 self._prefill_ends.popitem(last=False)
 
-    def plan(self, cam, num_decodes: int, method: str) -> DecodePlan:
+    def plan(self, cam, num_decodes: int, settings: StepSettings) -> DecodePlan:
         cfg, bs = self.cfg, self.block_size
         seq_lens = [int(x) for x in cam.seq_lens[:num_decodes].tolist()]
         block_table = cam.block_table_tensor[:num_decodes]
         dense = torch.empty(num_decodes, 2, 2, dtype=torch.int32)
-        plan = DecodePlan(num_decodes, block_table, seq_lens, dense, [])
+        plan = DecodePlan(settings, num_decodes, block_table, seq_lens, dense, [])
         for r, s in enumerate(seq_lens):
             dense[r, 0, 0], dense[r, 0, 1], dense[r, 1, 0], dense[r, 1, 1] = 0, s, s, s
-            if method == "exact":
+            if settings.method == "exact":
                 plan.exact_reason[r] = EXACT_METHOD
                 continue
             covered_end = ((s - cfg.local_window) // self.unit) * self.unit
@@ -172,8 +174,9 @@ class LayerState:
         self.head_size = head_size
         self.group = num_heads // num_kv_heads
         self.scale = scale
-        self.proj = projection(head_size, cfg.K, cfg.L, cfg.seed)
         self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.settings: StepSettings | None = None  # the current step's settings
+        self.proj = None
 
     # -------------------------------------------------------------- cache views
     def _views(self, kv_cache: torch.Tensor):
@@ -203,7 +206,7 @@ class LayerState:
     def _centre(self, spec: CentreSpec, kview) -> torch.Tensor:
         c = STORE.centre_tensor(self.name, spec.cid)
         if c is None:
-            if self.cfg.centering == "none":
+            if self.settings.centering == "none":
                 c = torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32)
             else:
                 keys = self._gather(kview, spec.blocks, spec.start, spec.end)
@@ -237,7 +240,7 @@ class LayerState:
         lo, hi = ref.first_token - start, size  # offsets inside the block run
         keys = self._gather(kview, blocks, lo, hi)
         values = self._gather(vview, blocks, lo, hi)
-        seg = kernel.build_segment(keys, values, centre, self.proj, self.cfg.K, self.cfg.L)
+        seg = kernel.build_segment(keys, values, centre, self.proj, self.settings.K, self.settings.L)
         STATS.build_seconds += time.perf_counter() - t0
         STATS.index["segments_built"] += 1
         STORE.put_segment(self.name, ref.key, seg)
@@ -246,8 +249,15 @@ class LayerState:
     # -------------------------------------------------------------- the step
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, output: torch.Tensor) -> None:
         R, H, D = plan.num_decodes, self.num_heads, self.head_size
+        st = self.settings = plan.settings
+        self.proj = projection(D, st.K, st.L, self.cfg.seed)
         q = query.view(R, H, D)
         kview, vview = self._views(kv_cache)
+        if st.method in ("topk", "quest"):
+            from vllm_magicpig import baselines
+
+            baselines.forward(self, q, kview, vview, plan, output.view(R, H, D))
+            return
         dense = plan.dense_ranges
         segments: list[list[kernel.Segment]] = [[] for _ in range(R)]
         qdc = torch.zeros(R, H, dtype=torch.float32)
@@ -273,13 +283,37 @@ class LayerState:
         for r, reason in plan.exact_reason.items():
             STATS.decode_exact[reason] += 1
         t0 = time.perf_counter()
-        codes = kernel.hash_codes(q.reshape(R * H, D), self.proj, self.cfg.K, self.cfg.L).view(R, H, self.cfg.L)
+        codes = kernel.hash_codes(q.reshape(R * H, D), self.proj, st.K, st.L).view(R, H, st.L)
         counts = torch.zeros(R, H, dtype=torch.int64)
+        out = output.view(R, H, D)
         kernel.sparse_decode_attention(q, codes, qdc, segments, kview, vview, plan.block_table, dense,
-                                       self.scale, self.cfg.K, self.cfg.L, out=output.view(R, H, D),
-                                       sampled_counts=counts)
+                                       self.scale, st.K, st.L, out=out, sampled_counts=counts)
         STATS.sparse_seconds += time.perf_counter() - t0
+        if st.measure_error and served:
+            self.record_error(q, kview, vview, plan, out, served)
         if served:
             STATS.decode_sparse += len(served)
             sampled = int(counts[served].sum())
             STATS.add_sampled(self.name, sampled, sum(plan.covered[r] for r in served) * H)
+
+    # -------------------------------------------------------------- evaluation only
+    def exact_output(self, q, kview, vview, plan: DecodePlan) -> torch.Tensor:
+        """Exact attention for every decode request (the kernel with the whole context dense)."""
+        R, H, D = q.shape
+        full = torch.zeros(R, 2, 2, dtype=torch.int32)
+        full[:, 0, 1] = torch.tensor(plan.seq_lens, dtype=torch.int32)
+        full[:, 1, 0] = full[:, 0, 1]
+        full[:, 1, 1] = full[:, 0, 1]
+        out = torch.empty(R, H, D, dtype=torch.float32)
+        codes = torch.zeros(R, H, self.settings.L, dtype=torch.int32)
+        kernel.sparse_decode_attention(q, codes, torch.zeros(R, H), [[] for _ in range(R)], kview, vview,
+                                       plan.block_table, full, self.scale, self.settings.K, self.settings.L,
+                                       out=out)
+        return out
+
+    def record_error(self, q, kview, vview, plan: DecodePlan, out, served: list[int]) -> None:
+        exact = self.exact_output(q, kview, vview, plan)
+        for r in served:
+            e = exact[r]
+            err = float((out[r].float() - e).norm() / e.norm().clamp_min(1e-12))
+            STATS.add_error(self.name, err)

@@ -40,6 +40,7 @@ class Stats:
         self.index: Counter[str] = Counter()
         self.index_bytes = 0
         self.mirror_bytes = 0
+        self.errors: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # eval: rel. error sums
         self.build_seconds = 0.0
         self.sparse_seconds = 0.0
 
@@ -50,6 +51,11 @@ class Stats:
         s = self.sampled[layer_name]
         s[0] += sampled
         s[1] += candidates
+
+    def add_error(self, layer_name: str, rel_err: float) -> None:
+        e = self.errors[layer_name]
+        e[0] += rel_err
+        e[1] += 1
 
     def sampled_fraction(self) -> float | None:
         tot_s = sum(v[0] for v in self.sampled.values())
@@ -72,6 +78,9 @@ class Stats:
                 "sampled_fraction": self.sampled_fraction(),
                 "sampled_fraction_per_layer": per_layer,
                 "index": dict(self.index),
+                "relative_error_per_layer": {
+                    name: v[0] / v[1] for name, v in sorted(self.errors.items()) if v[1]
+                },
                 "index_bytes": self.index_bytes,
                 "mirror_bytes": self.mirror_bytes,
                 "build_seconds": round(self.build_seconds, 4),

@@ -1,0 +1,85 @@
+"""Evaluation-only decode baselines at a matched key budget: exact TopK and Quest.
+
+They run inside MAGICPIG's decode path (same dense sinks and local window, same
+indexed range), so the accuracy harness compares the selection rules and nothing
+else. Plain torch, one request at a time: correct, not fast.
+
+* ``topk``: the ``budget_fraction`` of indexed keys with the highest exact q.k (an
+  oracle; it reads every key).
+* ``quest``: keys are grouped in pages of ``quest_page_size`` tokens; a page's upper
+  bound on q.k is sum_d max(q_d * min_d, q_d * max_d) over its keys' per-channel
+  minimum and maximum; the highest-bound pages are attended in full.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vllm_magicpig.stats import STATS
+
+
+def _select(method: str, logits: torch.Tensor, keys: torch.Tensor, q: torch.Tensor, lo: int, hi: int,
+            budget: int, page: int) -> torch.Tensor:
+    """Boolean [H, s] mask of the indexed keys in [lo, hi) chosen for each query head."""
+    H, s = logits.shape
+    mask = torch.zeros(H, s, dtype=torch.bool)
+    n = hi - lo
+    if n <= 0 or budget <= 0:
+        return mask
+    if method == "topk":
+        idx = torch.topk(logits[:, lo:hi], min(budget, n), dim=1).indices + lo
+        mask.scatter_(1, idx, True)
+        return mask
+    # quest: pages on the absolute token grid, clipped to [lo, hi)
+    first, last = lo // page, (hi - 1) // page
+    n_pages = last - first + 1
+    pad_lo, pad_hi = first * page, (last + 1) * page
+    k = torch.zeros(pad_hi - pad_lo, *keys.shape[1:], dtype=keys.dtype)
+    k[lo - pad_lo : hi - pad_lo] = keys[lo:hi]
+    valid = torch.zeros(pad_hi - pad_lo, dtype=torch.bool)
+    valid[lo - pad_lo : hi - pad_lo] = True
+    big = torch.finfo(keys.dtype).max
+    kmin = torch.where(valid[:, None, None], k, big).view(n_pages, page, *keys.shape[1:]).amin(1)
+    kmax = torch.where(valid[:, None, None], k, -big).view(n_pages, page, *keys.shape[1:]).amax(1)
+    # kmin/kmax: [pages, H, D]; q: [H, D]
+    bound = torch.maximum(kmin * q, kmax * q).sum(-1).T  # [H, pages]
+    # pages enough for the budget (partial edge pages make the whole range need one more)
+    take = n_pages if budget >= n else min(n_pages, max(1, math.ceil(budget / page)))
+    pages = torch.topk(bound, take, dim=1).indices  # [H, take]
+    tok = (pages[:, :, None] + first) * page + torch.arange(page)  # [H, take, page]
+    tok = tok.reshape(H, -1)  # absolute positions, some outside [lo, hi) on edge pages
+    inside = (tok >= lo) & (tok < hi)
+    mask.scatter_(1, tok.clamp(0, s - 1), inside)
+    return mask
+
+
+def forward(state, q: torch.Tensor, kview, vview, plan, out: torch.Tensor) -> None:
+    st = state.settings
+    R, H, D = q.shape
+    group = H // state.num_kv_heads
+    bs = kview.shape[1]
+    for r in range(R):
+        s = plan.seq_lens[r]
+        blocks = tuple(plan.block_table[r, : (s + bs - 1) // bs].tolist())
+        keys = state._gather(kview, blocks, 0, s).float().repeat_interleave(group, dim=1)  # [s, H, D]
+        values = state._gather(vview, blocks, 0, s).float().repeat_interleave(group, dim=1)
+        qr = q[r].float()
+        logits = torch.einsum("shd,hd->hs", keys, qr) * state.scale
+        keep = torch.zeros(H, s, dtype=torch.bool)
+        if r in plan.sparse:
+            lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
+            keep[:, :lo] = True
+            keep[:, hi:] = True
+            budget = math.ceil(st.budget_fraction * (hi - lo))
+            chosen = _select(st.method, logits, keys, qr, lo, hi, budget, st.quest_page_size)
+            keep |= chosen
+            STATS.decode_baseline[st.method] += 1
+            STATS.add_sampled(state.name, int(chosen.sum()), (hi - lo) * H)
+        else:
+            keep[:] = True
+            STATS.decode_exact[plan.exact_reason.get(r, "short_context")] += 1
+        w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1)  # [H, s]
+        out[r] = torch.einsum("hs,shd->hd", w, values).to(out.dtype)
+    if st.measure_error and plan.sparse:
+        state.record_error(q, kview, vview, plan, out, list(plan.sparse))
