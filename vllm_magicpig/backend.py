@@ -16,6 +16,7 @@ vllm_magicpig.require_vllm()
 
 import torch  # noqa: E402
 from vllm.config import get_current_vllm_config  # noqa: E402
+from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.attention.backend import AttentionType, MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     CPUAttentionBackend,
@@ -32,7 +33,7 @@ from vllm_magicpig.startup_checks import SUPPORTED_HEAD_SIZES, total_layers  # n
 from vllm_magicpig.sparse_decode import DecodePlan, LayerState, StepPlanner  # noqa: E402
 from vllm_magicpig.stats import EXACT_DENSE_LAYER, STATS  # noqa: E402
 
-logger = logging.getLogger("vllm_magicpig")
+logger = init_logger("vllm.magicpig")  # under vLLM's logger tree, so its handler prints it
 
 
 class MagicPigBackend(CPUAttentionBackend):

@@ -304,7 +304,7 @@ class LayerState:
         full[:, 0, 1] = torch.tensor(plan.seq_lens, dtype=torch.int32)
         full[:, 1, 0] = full[:, 0, 1]
         full[:, 1, 1] = full[:, 0, 1]
-        out = torch.empty(R, H, D, dtype=torch.float32)
+        out = torch.empty(R, H, D, dtype=q.dtype)
         codes = torch.zeros(R, H, self.settings.L, dtype=torch.int32)
         kernel.sparse_decode_attention(q, codes, torch.zeros(R, H), [[] for _ in range(R)], kview, vview,
                                        plan.block_table, full, self.scale, self.settings.K, self.settings.L,
@@ -314,6 +314,6 @@ class LayerState:
     def record_error(self, q, kview, vview, plan: DecodePlan, out, served: list[int]) -> None:
         exact = self.exact_output(q, kview, vview, plan)
         for r in served:
-            e = exact[r]
+            e = exact[r].float()
             err = float((out[r].float() - e).norm() / e.norm().clamp_min(1e-12))
             STATS.add_error(self.name, err)
