@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_magicpig import kernel  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig  # noqa: E402
 from vllm_magicpig.control import StepSettings  # noqa: E402
+from vllm_magicpig.index import STORE  # noqa: E402
 from vllm_magicpig.sparse_decode import LayerState, StepPlanner  # noqa: E402
 
 D, HKV, G, BS = 64, 3, 3, 128
@@ -82,6 +83,9 @@ def run(ctx: int, batch: int, K: int, L: int):
                                         sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched,
                                         s_aux=None)
 
+    # Each run writes its cache directly, not through vLLM, so nothing invalidates the
+    # previous run's index entries on the same block ids: start from an empty store.
+    STORE.clear()
     cfg = MagicPigConfig(K=K, L=L)
     st = LayerState(cfg, "model.layers.3.self_attn.attn", 3, H, HKV, D, D ** -0.5)
     planner = StepPlanner(cfg, BS)

