@@ -44,18 +44,20 @@ def test_views_read_back_what_vllm_wrote(d, hkv, block):
     assert torch.equal(LayerState._gather(kview, tuple(blocks), 5, block + 9), key[5 : block + 9])
 
 
-@pytest.mark.parametrize("end,unit,largest", [(256, 256, 32768), (13 * 256, 256, 1024), (40 * 128, 128, 2048)])
-def test_segment_layout_is_aligned_binary_and_covers(end, unit, largest):
+@pytest.mark.parametrize("end,unit,largest", [(512, 512, 32768), (13 * 512, 512, 4096), (40 * 128, 128, 2048)])
+def test_segment_layout_is_few_full_segments_and_one_growing(end, unit, largest):
     segs = segment_layout(end, unit, largest)
     pos = 0
-    for start, size in segs:
-        assert start == pos and size % unit == 0 and size <= largest
-        assert start % size == 0  # aligned: a longer context reuses these segments
-        assert (size // unit) & (size // unit - 1) == 0  # a power-of-two level
+    for i, (start, size) in enumerate(segs):
+        assert start == pos and size % unit == 0 and 0 < size <= largest
+        if i < len(segs) - 1:
+            assert size == largest and start % largest == 0  # full segments never change
         pos += size
     assert pos == end
-    sizes = [s for _, s in segs]
-    assert sizes == sorted(sizes, reverse=True)
+    assert len(segs) == -(-end // largest)  # as few as possible
+    # a longer context keeps every full segment and only grows the last one
+    longer = segment_layout(end + unit, unit, largest)
+    assert longer[: len(segs) - 1] == segs[:-1]
 
 
 def _exact(q, keys, values, scale, group):

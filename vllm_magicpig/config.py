@@ -39,9 +39,9 @@ class MagicPigConfig:
     min_sparse_context: int = 1024
     """Decode requests with a shorter context are served exactly."""
     # --- index ---
-    segment_tokens: int = 256
-    """Smallest indexed run of tokens (a multiple of the KV block size). Runs of
-    these merge into larger segments (levels) up to ``max_segment_tokens``."""
+    segment_tokens: int = 512
+    """Indexing step (a multiple of the KV block size): the last segment grows by this
+    many tokens at a time, so the exactly attended tail stays below it."""
     max_segment_tokens: int = 32768
     """Largest segment (token ids inside a segment are 16-bit)."""
     index_memory_mb: int = 4096

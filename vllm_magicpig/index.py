@@ -7,10 +7,12 @@ so everything here is keyed by KV block ids:
   registered under the block ids of the prompt blocks it was computed from. A request
   finds its centre as the longest registered block run that prefixes its block table,
   so requests whose prompts share those blocks (prefix caching) share the centre.
-* A **segment** is an LSH index over an aligned run of full blocks, keyed by
-  ``(centre id, first token, size, block ids)``. Sizes are ``segment_tokens * 2**k``
-  (levels): a run of small segments merges into a larger one, so lookups stay cheap at
-  long context and the uncovered tail stays under ``segment_tokens``.
+* A **segment** is an LSH index over a run of full blocks, keyed by
+  ``(centre id, first token, size, block ids)``. A context is cut into full segments of
+  ``max_segment_tokens`` and one last segment that grows in steps of ``segment_tokens``
+  by merging (levels: the new tokens are indexed alone, then concatenated bucket by
+  bucket), so lookups stay few at long context and the uncovered tail stays under
+  ``segment_tokens``.
 * Full KV blocks are immutable while allocated, so a KV write into a block that a
   centre or segment covers means vLLM freed and reused it: those entries are dropped.
 * The store is capped (``index_memory_mb``); least recently used segments go first.
@@ -138,6 +140,13 @@ class IndexStore:
             self._segments.move_to_end(k)
             self._last_used[k] = self.step
         return seg
+
+    def peek_segment(self, layer: str, key: SegmentKey) -> kernel.Segment | None:
+        """Like get_segment, without counting as a use."""
+        return self._segments.get((layer, key))
+
+    def used_this_step(self, layer: str, key: SegmentKey) -> bool:
+        return self._last_used.get((layer, key)) == self.step
 
     def put_segment(self, layer: str, key: SegmentKey, seg: kernel.Segment) -> None:
         k = (layer, key)

@@ -38,19 +38,17 @@ def projection(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
 
 
 def segment_layout(covered_end: int, unit: int, largest: int) -> list[tuple[int, int]]:
-    """Split [0, covered_end) into aligned power-of-two multiples of ``unit``, largest first.
+    """Split [0, covered_end) into full segments of ``largest`` tokens and one growing last
+    segment (a multiple of ``unit``).
 
-    ``covered_end`` is a multiple of ``unit``. Alignment makes the layout of a longer
-    context reuse the segments of a shorter one, and two halves merge into their parent.
+    Every segment costs L bucket lookups per query head per step, about as much as
+    attending ~``unit`` tokens exactly, so a context is held in as few segments as
+    possible: the last one grows by merging (no re-hashing) as decoding fills blocks.
     """
-    out = []
-    pos = 0
-    while pos < covered_end:
-        size = largest
-        while size > unit and (pos % size or pos + size > covered_end):
-            size //= 2
-        out.append((pos, size))
-        pos += size
+    full = (covered_end // largest) * largest
+    out = [(pos, largest) for pos in range(0, full, largest)]
+    if covered_end > full:
+        out.append((full, covered_end - full))
     return out
 
 
@@ -81,9 +79,7 @@ class StepPlanner:
         self.cfg = cfg
         self.block_size = block_size
         self.unit = cfg.segment_tokens
-        self.largest = self.unit
-        while self.largest * 2 <= cfg.max_segment_tokens:
-            self.largest *= 2
+        self.largest = max(self.unit, (min(cfg.max_segment_tokens, kernel.MAX_SEGMENT_TOKENS) // self.unit) * self.unit)
         # last block written by a prefill chunk -> sequence length after it; a decode
         # right after it is that request's first decode (vLLM gives no request ids).
         self._prefill_ends: OrderedDict[int, int] = OrderedDict()
@@ -219,31 +215,39 @@ class LayerState:
         if seg is not None:
             return seg
         cid, start, size, blocks = ref.key
-        if size > self.cfg.segment_tokens:
-            half = size // 2
-            hb = half // kview.shape[1]
-            left = SegmentRef((cid, start, half, blocks[:hb]), ref.first_token)
-            right = SegmentRef((cid, start + half, half, blocks[hb:]), start + half)
-            have_l = STORE.get_segment(self.name, left.key) is not None
-            have_r = STORE.get_segment(self.name, right.key) is not None
-            if have_l or have_r:  # grow a level: merge the halves (building the missing one)
-                parts = [self._segment(left, centre, kview, vview), self._segment(right, centre, kview, vview)]
-                t0 = time.perf_counter()
-                seg = kernel.merge_segments(parts)
-                STATS.build_seconds += time.perf_counter() - t0
-                STORE.drop_segment(self.name, left.key)
-                STORE.drop_segment(self.name, right.key)
-                STORE.put_segment(self.name, ref.key, seg)
-                STATS.index["segments_merged"] += 1
-                return seg
+        unit, bs = self.cfg.segment_tokens, kview.shape[1]
+        # Grow the longest existing segment with the same start (the previous step's, or a
+        # shared prefix's): index only the new tokens and merge, without re-hashing.
+        for shorter in range(size - unit, 0, -unit):
+            base_key = (cid, start, shorter, blocks[: shorter // bs])
+            base = STORE.peek_segment(self.name, base_key)
+            if base is None:
+                continue
+            rest = self._build(SegmentRef((cid, start + shorter, size - shorter, blocks[shorter // bs :]),
+                                          start + shorter), centre, kview, vview)
+            t0 = time.perf_counter()
+            seg = kernel.merge_segments([base, rest])
+            STATS.build_seconds += time.perf_counter() - t0
+            STATS.index["segments_merged"] += 1
+            if not STORE.used_this_step(self.name, base_key):  # nobody else reads it now
+                STORE.drop_segment(self.name, base_key)
+            STORE.put_segment(self.name, ref.key, seg)
+            return seg
+        seg = self._build(ref, centre, kview, vview)
+        STORE.put_segment(self.name, ref.key, seg)
+        return seg
+
+    def _build(self, ref: SegmentRef, centre, kview, vview) -> kernel.Segment:
+        """Index tokens [ref.first_token, start + size) from the KV cache."""
         t0 = time.perf_counter()
+        _, start, size, blocks = ref.key
         lo, hi = ref.first_token - start, size  # offsets inside the block run
         keys = self._gather(kview, blocks, lo, hi)
         values = self._gather(vview, blocks, lo, hi)
         seg = kernel.build_segment(keys, values, centre, self.proj, self.settings.K, self.settings.L)
         STATS.build_seconds += time.perf_counter() - t0
         STATS.index["segments_built"] += 1
-        STORE.put_segment(self.name, ref.key, seg)
+        STATS.index["tokens_indexed"] += hi - lo
         return seg
 
     # -------------------------------------------------------------- the step

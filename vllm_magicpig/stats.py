@@ -28,6 +28,10 @@ class Stats:
         self.reset()
 
     def reset(self) -> None:
+        """Zero the counters. The index gauges (bytes, live segments) describe what is
+        held now, so they survive a reset."""
+        gauges = {k: getattr(self, k, 0) for k in ("index_bytes", "mirror_bytes")}
+        live = getattr(self, "index", Counter()).get("segments_live")
         self.steps = 0
         self.decode_sparse = 0
         self.decode_exact: Counter[str] = Counter()
@@ -43,6 +47,9 @@ class Stats:
         self.errors: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # eval: rel. error sums
         self.build_seconds = 0.0
         self.sparse_seconds = 0.0
+        self.index_bytes, self.mirror_bytes = gauges["index_bytes"], gauges["mirror_bytes"]
+        if live is not None:
+            self.index["segments_live"] = live
 
     def count_layer(self, layer_name: str) -> None:
         self.layer_calls[layer_name] += 1
