@@ -6,7 +6,6 @@ requests of sparse layers go through :meth:`MagicPigImpl.forward_decode`.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -92,7 +91,6 @@ class MagicPigMetadata:
     num_prefills: int
     decode: CPUAttentionMetadata | None  # decode requests only (exact decode)
     prefill: CPUAttentionMetadata | None  # prefill requests only, when mixed with decodes
-    decode_method: str
     sparse_plan: DecodePlan | None = None
 
     # vLLM reads these names on metadata objects in a few generic places.
@@ -165,7 +163,6 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
             num_prefills=num_prefills,
             decode=decode,
             prefill=prefill,
-            decode_method=settings.method,
             sparse_plan=plan,
         )
 
@@ -226,8 +223,7 @@ class MagicPigImpl(CPUAttentionBackendImpl):
         plan = meta.sparse_plan
         if not plan.sparse:
             # Nothing to sample this step: the platform kernel is the fastest exact path.
-            for reason in plan.exact_reason.values():
-                STATS.decode_exact[reason] += 1
+            plan.count_exact()
             super().forward(layer, query, query, query, kv_cache, meta.decode, output)
             return
         self.sparse_layer.forward(query, kv_cache, plan, output)

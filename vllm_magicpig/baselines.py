@@ -78,8 +78,8 @@ def forward(state, q: torch.Tensor, kview, vview, plan, out: torch.Tensor) -> No
             STATS.add_sampled(state.name, int(chosen.sum()), (hi - lo) * H)
         else:
             keep[:] = True
-            STATS.decode_exact[plan.exact_reason.get(r, "short_context")] += 1
         w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1)  # [H, s]
         out[r] = torch.einsum("hs,shd->hd", w, values).to(out.dtype)
+    plan.count_exact()
     if st.measure_error and plan.sparse:
         state.record_error(q, kview, vview, plan, out, list(plan.sparse))

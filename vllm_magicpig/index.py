@@ -105,9 +105,6 @@ class IndexStore:
     def put_centre_tensor(self, layer: str, cid: int, c: torch.Tensor) -> None:
         self._centre_tensors[(layer, cid)] = c
 
-    def centre_spec(self, cid: int) -> CentreSpec | None:
-        return self._centre_specs.get(cid)
-
     def _drop_centre(self, cid: int) -> None:
         spec = self._centre_specs.pop(cid, None)
         if spec is None:

@@ -80,6 +80,17 @@ def _dtype(name, t, dtypes):
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
+def _check_optional_out(name, t, dtype, shape):
+    """An optional per-head output: None, or a contiguous tensor of this dtype and shape."""
+    if t is None:
+        return
+    _tensor(name, t)
+    _dtype(name, t, (dtype,))
+    _shape(name, t, shape)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
 def _check_kl(K, L):
     if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 16:
         raise ValueError(f"K must be an int in 1..16, got {K!r}")
@@ -200,18 +211,8 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
     _shape("out", out, (R, H, D))
     if out.dtype != query.dtype:
         raise TypeError(f"out dtype {out.dtype} must match query dtype {query.dtype}")
-    if lse is not None:
-        _tensor("lse", lse)
-        _dtype("lse", lse, (torch.float32,))
-        _shape("lse", lse, (R, H))
-        if not lse.is_contiguous():
-            raise ValueError("lse must be contiguous")
-    if sampled_counts is not None:
-        _tensor("sampled_counts", sampled_counts)
-        _dtype("sampled_counts", sampled_counts, (torch.int64,))
-        _shape("sampled_counts", sampled_counts, (R, H))
-        if not sampled_counts.is_contiguous():
-            raise ValueError("sampled_counts must be contiguous")
+    _check_optional_out("lse", lse, torch.float32, (R, H))
+    _check_optional_out("sampled_counts", sampled_counts, torch.int64, (R, H))
     if not isinstance(segments, (list, tuple)) or len(segments) != R:
         raise ValueError(f"segments must be a list of R={R} lists of Segment")
     seg_c = []

@@ -71,6 +71,11 @@ class DecodePlan:
     covered: dict[int, int] = field(default_factory=dict)  # request -> indexed token count
     exact_reason: dict[int, str] = field(default_factory=dict)
 
+    def count_exact(self) -> None:
+        """Count the requests planned exact, by reason (once per layer that serves them)."""
+        for reason in self.exact_reason.values():
+            STATS.decode_exact[reason] += 1
+
 
 class StepPlanner:
     """Layer-independent decisions, made once per engine step in the metadata builder."""
@@ -285,8 +290,7 @@ class LayerState:
             centres[r, :, 0] = centre
         # q . c for every (request, query head) at once; zero for exact requests
         qdc = (q.to(torch.float32).view(R, self.num_kv_heads, self.group, D) * centres).sum(-1).view(R, H)
-        for r, reason in plan.exact_reason.items():
-            STATS.decode_exact[reason] += 1
+        plan.count_exact()
         t0 = time.perf_counter()
         codes = kernel.hash_codes(q.reshape(R * H, D), self.proj, st.K, st.L).view(R, H, st.L)
         counts = torch.zeros(R, H, dtype=torch.int64)
