@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills  # noqa: E402
 from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata  # noqa: E402
 
-from vllm_magicpig import control  # noqa: E402
+from vllm_magicpig import centring, control  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig, MagicPigConfigError, parse_config  # noqa: E402
 from vllm_magicpig.startup_checks import SUPPORTED_HEAD_SIZES, total_layers  # noqa: E402
 from vllm_magicpig.sparse_decode import DecodePlan, LayerState, StepPlanner  # noqa: E402
@@ -186,6 +186,10 @@ class MagicPigImpl(CPUAttentionBackendImpl):
         self.cfg = parse_config(vllm_config.additional_config)
         self.num_layers = total_layers(vllm_config.model_config, vllm_config.parallel_config)
         self.dense_layers = self.cfg.resolved_dense_layers(self.num_layers)
+        # Only the evaluation-only centrings use it (see vllm_magicpig.centring).
+        self.rope = centring.Rope.from_hf_config(vllm_config.model_config.hf_config, head_size)
+        if not centring.MODEL_ROPE:
+            centring.MODEL_ROPE.append(self.rope)
         self.layer_index: int | None = None
         self.sparse_layer = None  # sparse_decode.LayerState, created on first use
 
@@ -196,6 +200,7 @@ class MagicPigImpl(CPUAttentionBackendImpl):
         if self.layer_index not in self.dense_layers:
             self.sparse_layer = LayerState(self.cfg, layer.layer_name, self.layer_index, self.num_heads,
                                            self.num_kv_heads, self.head_size, self.scale)
+            self.sparse_layer.rope = self.rope
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -221,6 +226,8 @@ class MagicPigImpl(CPUAttentionBackendImpl):
     def forward_decode(self, layer, query, kv_cache, meta: MagicPigMetadata, output) -> None:
         """Decode attention for the batch's decode requests in a sparse layer."""
         plan = meta.sparse_plan
+        if plan.settings.calibrate:
+            self.sparse_layer.calibrate(kv_cache, plan)
         if not plan.sparse:
             # Nothing to sample this step: the platform kernel is the fastest exact path.
             plan.count_exact()

@@ -50,7 +50,10 @@ def _select(method: str, logits: torch.Tensor, keys: torch.Tensor, q: torch.Tens
     tok = (pages[:, :, None] + first) * page + torch.arange(page)  # [H, take, page]
     tok = tok.reshape(H, -1)  # absolute positions, some outside [lo, hi) on edge pages
     inside = (tok >= lo) & (tok < hi)
-    mask.scatter_(1, tok.clamp(0, s - 1), inside)
+    # set only the inside positions: scattering `inside` at clamped indices would write
+    # False over a chosen key s-1 when hi == s and the last page is partial
+    rows = torch.arange(H)[:, None].expand_as(tok)
+    mask[rows[inside], tok[inside]] = True
     return mask
 
 

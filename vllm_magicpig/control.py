@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from vllm_magicpig import centring
 from vllm_magicpig.config import CENTERINGS, DECODE_METHODS, MagicPigConfig
 
 
@@ -25,6 +26,7 @@ class StepSettings:
     budget_fraction: float
     quest_page_size: int
     measure_error: bool = False
+    calibrate: bool = False  # add decode requests' keys to the centring calibration
 
 
 _override: dict = {}
@@ -32,15 +34,19 @@ _override: dict = {}
 
 def set_eval(**kw) -> dict:
     """Override decode settings (method, K, L, centering, budget_fraction, quest_page_size,
-    measure_error); pass nothing to go back to the config."""
+    measure_error, calibrate); pass nothing to go back to the config. Centering may also be
+    one of the evaluation-only centrings of :mod:`vllm_magicpig.centring`."""
     allowed = {f.name for f in dataclasses.fields(StepSettings)}
     unknown = set(kw) - allowed
     if unknown:
         raise ValueError(f"unknown evaluation setting(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     if "method" in kw and kw["method"] not in DECODE_METHODS:
         raise ValueError(f"decode method {kw['method']!r} is not one of {', '.join(DECODE_METHODS)}")
-    if "centering" in kw and kw["centering"] not in CENTERINGS:
-        raise ValueError(f"centering {kw['centering']!r} is not one of {', '.join(CENTERINGS)}")
+    if "centering" in kw:
+        allowed = CENTERINGS + centring.EVAL_CENTERINGS
+        if kw["centering"] not in allowed:
+            raise ValueError(f"centering {kw['centering']!r} is not one of {', '.join(allowed)}")
+        centring.check_available(kw["centering"])
     if "K" in kw and not 1 <= int(kw["K"]) <= 16:
         raise ValueError("K must be in 1..16")
     if "L" in kw and not 2 <= int(kw["L"]) <= 1024:
@@ -51,9 +57,11 @@ def set_eval(**kw) -> dict:
     _override.clear()
     _override.update(kw)
     if changes_index:
+        from vllm_magicpig import per_token_centres
         from vllm_magicpig.index import STORE
 
         STORE.clear()
+        per_token_centres.clear()
     return dict(_override)
 
 

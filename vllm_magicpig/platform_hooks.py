@@ -9,7 +9,8 @@
 4. The platform's start-up config check also validates the MAGICPIG config and the
    model, so a bad config fails in the front end with a clear message, not mid-serve.
 5. The worker wrapper gains ``magicpig_stats``, ``magicpig_reset_stats``,
-   ``magicpig_clear_index``, ``magicpig_set_decode_method`` and ``magicpig_set_eval`` for
+   ``magicpig_clear_index``, ``magicpig_set_decode_method``, ``magicpig_set_eval`` and the
+   evaluation-only ``magicpig_calibration`` / ``magicpig_clear_calibration`` for
    ``LLM.collective_rpc`` (named methods need no insecure serialization).
 """
 from __future__ import annotations
@@ -139,6 +140,16 @@ def _patch_worker_rpc() -> None:
     WorkerWrapperBase.magicpig_set_decode_method = lambda self, method: control.set_decode_method(method)
     WorkerWrapperBase.magicpig_set_eval = lambda self, **kw: control.set_eval(**kw)
     WorkerWrapperBase.magicpig_clear_index = lambda self: _clear_index()
+    WorkerWrapperBase.magicpig_calibration = lambda self: _calibration(clear=False)
+    WorkerWrapperBase.magicpig_clear_calibration = lambda self: _calibration(clear=True)
+
+
+def _calibration(clear: bool) -> dict:
+    from vllm_magicpig import centring
+
+    if clear:
+        centring.clear_calibration()
+    return centring.calibration_summary()
 
 
 def _clear_index() -> None:

@@ -27,8 +27,10 @@ def projection_margin(x: torch.Tensor, projection: torch.Tensor, K: int, L: int)
 
 
 def key_codes(keys, centre, projection, K, L) -> torch.Tensor:
-    """int64 [Hkv, L, n]: codes of the centred keys k - c[kvh]."""
-    kc = keys.double() - centre.double().unsqueeze(0)  # [n, Hkv, D]
+    """int64 [Hkv, L, n]: codes of the centred keys k - c (centre [Hkv, D], or [n, Hkv, D]
+    for a centre per key)."""
+    c = centre.double()
+    kc = keys.double() - (c.unsqueeze(0) if c.dim() == 2 else c)  # [n, Hkv, D]
     return torch.stack([simhash_codes(kc[:, h], projection, K, L).T for h in range(keys.shape[1])])
 
 
@@ -54,7 +56,8 @@ def magicpig_attention(query, keys, values, centre, projection, K, L, covered, s
     """The estimator for one request: one softmax over sampled covered keys (logit
     scale*q.k - log(u + 1e-4)) and dense (uncovered) keys (logit scale*q.k).
 
-    query [H, D]; keys/values [n, Hkv, D]; centre [Hkv, D]; covered bool [n].
+    query [H, D]; keys/values [n, Hkv, D]; centre [Hkv, D] (or [n, Hkv, D]: a centre per
+    key, whose q.c then differs per key); covered bool [n].
     Codes default to float64 SimHash; pass the kernel's codes to test everything after hashing.
     Returns (out [H, D] f64, lse [H] f64, sampled bool [H, n]).
     """
@@ -64,7 +67,8 @@ def magicpig_attention(query, keys, values, centre, projection, K, L, covered, s
     q = query.double()
     k = keys.double()[:, kv].transpose(0, 1)  # [H, n, D]
     v = values.double()[:, kv].transpose(0, 1)
-    c = centre.double()[kv]  # [H, D]
+    c = centre.double()
+    c = c[kv].unsqueeze(1) if c.dim() == 2 else c[:, kv].transpose(0, 1)  # [H, 1 or n, D]
     if query_codes is None:
         query_codes = simhash_codes(query, projection, K, L)
     if kcodes is None:
@@ -75,8 +79,8 @@ def magicpig_attention(query, keys, values, centre, projection, K, L, covered, s
     covered = covered.bool()
     sampled = sample_mask(query_codes, kcodes) & covered.unsqueeze(0)
     qk = torch.einsum("hd,hnd->hn", q, k)
-    qc = (q * c).sum(-1, keepdim=True) if query_dot_centre is None else query_dot_centre.double().unsqueeze(-1)
-    kn = (k - c.unsqueeze(1)).norm(dim=-1)
+    qc = (q.unsqueeze(1) * c).sum(-1) if query_dot_centre is None else query_dot_centre.double().unsqueeze(-1)
+    kn = (k - c).norm(dim=-1)
     den = q.norm(dim=-1, keepdim=True) * kn
     cos = torch.where(den > 1e-30, (qk - qc) / den.clamp_min(1e-300), torch.zeros_like(qk))
     u = sampling_prob(cos, K, L)

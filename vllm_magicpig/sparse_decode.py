@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_magicpig import kernel
+from vllm_magicpig import centring, kernel
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.control import StepSettings
 from vllm_magicpig.index import STORE, CentreSpec
@@ -178,6 +178,7 @@ class LayerState:
         self.cap_bytes = cfg.index_memory_mb * 2**20
         self.settings: StepSettings | None = None  # the current step's settings
         self.proj = None
+        self.rope: centring.Rope | None = None  # the model's RoPE (evaluation-only centrings)
 
     # -------------------------------------------------------------- cache views
     def _views(self, kv_cache: torch.Tensor):
@@ -209,6 +210,8 @@ class LayerState:
         if c is None:
             if self.settings.centering == "none":
                 c = torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32)
+            elif self.settings.centering == "global":
+                c = centring.request_centre("global", self.name, spec.start, spec.end)
             else:
                 keys = self._gather(kview, spec.blocks, spec.start, spec.end)
                 c = keys.to(torch.float32).mean(dim=0).contiguous()
@@ -267,6 +270,11 @@ class LayerState:
 
             baselines.forward(self, q, kview, vview, plan, output.view(R, H, D))
             return
+        if st.centering in ("segment", "pre_rope"):
+            from vllm_magicpig import per_token_centres
+
+            per_token_centres.forward(self, q, kview, vview, plan, output.view(R, H, D))
+            return
         dense = plan.dense_ranges
         segments: list[list[kernel.Segment]] = [[] for _ in range(R)]
         centres = torch.zeros(R, self.num_kv_heads, 1, D, dtype=torch.float32)
@@ -307,6 +315,16 @@ class LayerState:
             STATS.add_sampled(self.name, sampled, sum(plan.covered[r] for r in served) * H)
 
     # -------------------------------------------------------------- evaluation only
+    def calibrate(self, kv_cache: torch.Tensor, plan: DecodePlan) -> None:
+        """Add every decode request's cached keys (positions [0, seq_len - 1)) to the centring
+        calibration (see :mod:`vllm_magicpig.centring`)."""
+        kview, _ = self._views(kv_cache)
+        bs = kview.shape[1]
+        for r, s in enumerate(plan.seq_lens):
+            if s >= 2:
+                blocks = tuple(plan.block_table[r, : (s + bs - 1) // bs].tolist())
+                centring.calibrate(self.name, self._gather(kview, blocks, 0, s - 1).float(), self.rope)
+
     def exact_output(self, q, kview, vview, plan: DecodePlan) -> torch.Tensor:
         """Exact attention for every decode request (the kernel with the whole context dense)."""
         R, H, D = q.shape
