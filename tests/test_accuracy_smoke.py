@@ -26,7 +26,15 @@ def test_harness_smoke_run(tmp_path, model_path):
         assert r["extra"]["decode_baseline"].get(base, 0) > 0, r
         # matched budget: the baseline attends about as many keys as MAGICPIG sampled
         assert r["cost"] == pytest.approx(mp["cost"], rel=0.5, abs=0.01), (r["cost"], mp["cost"])
+    # the evaluation-only 'global' centring ran the kernel path, calibrated first
+    assert res["config"]["calibration"]["requests"] >= 1
+    glob = by[("magicpig(10,150) global-centre", "niah_single")]
+    assert glob["extra"]["decode_sparse"] > 0 and 0 < glob["cost"] < 0.5
     fid = {f["method"]: f for f in res["fidelity"]}
     assert 0 <= fid["magicpig(10,150)"]["agreement"] <= 1
     assert fid["magicpig(10,150)"]["mean_layer_rel_error"] is not None
+    # teacher forcing: full attention forced onto its own continuation is the KL floor
+    floor = fid["full (forced on itself)"]["kl_forced"]
+    assert 0 <= floor < 1e-2, floor
+    assert fid["magicpig(10,150)"]["kl_forced"] >= 0
     assert out.with_suffix(".md").exists()

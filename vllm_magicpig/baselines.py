@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from vllm_magicpig.eval_attention import grouped_logits, grouped_output
 from vllm_magicpig.stats import STATS
 
 
@@ -31,19 +32,23 @@ def _select(method: str, logits: torch.Tensor, keys: torch.Tensor, q: torch.Tens
         idx = torch.topk(logits[:, lo:hi], min(budget, n), dim=1).indices + lo
         mask.scatter_(1, idx, True)
         return mask
-    # quest: pages on the absolute token grid, clipped to [lo, hi)
+    # quest: pages on the absolute token grid, clipped to [lo, hi); keys may hold one row
+    # per KV head (Hk divides H) and are then shared by that head's query group
+    Hk, D = keys.shape[1], keys.shape[2]
     first, last = lo // page, (hi - 1) // page
     n_pages = last - first + 1
     pad_lo, pad_hi = first * page, (last + 1) * page
-    k = torch.zeros(pad_hi - pad_lo, *keys.shape[1:], dtype=keys.dtype)
+    k = torch.zeros(pad_hi - pad_lo, Hk, D, dtype=keys.dtype)
     k[lo - pad_lo : hi - pad_lo] = keys[lo:hi]
     valid = torch.zeros(pad_hi - pad_lo, dtype=torch.bool)
     valid[lo - pad_lo : hi - pad_lo] = True
     big = torch.finfo(keys.dtype).max
-    kmin = torch.where(valid[:, None, None], k, big).view(n_pages, page, *keys.shape[1:]).amin(1)
-    kmax = torch.where(valid[:, None, None], k, -big).view(n_pages, page, *keys.shape[1:]).amax(1)
-    # kmin/kmax: [pages, H, D]; q: [H, D]
-    bound = torch.maximum(kmin * q, kmax * q).sum(-1).T  # [H, pages]
+    kmin = torch.where(valid[:, None, None], k, big).view(n_pages, page, Hk, D).amin(1)
+    kmax = torch.where(valid[:, None, None], k, -big).view(n_pages, page, Hk, D).amax(1)
+    # kmin/kmax: [pages, Hk, D]; q: [H, D] -> bound [H, pages]
+    qg = q.view(Hk, H // Hk, 1, D)
+    lo_t, hi_t = kmin.permute(1, 0, 2).unsqueeze(1), kmax.permute(1, 0, 2).unsqueeze(1)  # [Hk, 1, pages, D]
+    bound = torch.maximum(qg * lo_t, qg * hi_t).sum(-1).reshape(H, n_pages)
     # pages enough for the budget (partial edge pages make the whole range need one more)
     take = n_pages if budget >= n else min(n_pages, max(1, math.ceil(budget / page)))
     pages = torch.topk(bound, take, dim=1).indices  # [H, take]
@@ -60,15 +65,14 @@ def _select(method: str, logits: torch.Tensor, keys: torch.Tensor, q: torch.Tens
 def forward(state, q: torch.Tensor, kview, vview, plan, out: torch.Tensor) -> None:
     st = state.settings
     R, H, D = q.shape
-    group = H // state.num_kv_heads
     bs = kview.shape[1]
     for r in range(R):
         s = plan.seq_lens[r]
         blocks = tuple(plan.block_table[r, : (s + bs - 1) // bs].tolist())
-        keys = state._gather(kview, blocks, 0, s).float().repeat_interleave(group, dim=1)  # [s, H, D]
-        values = state._gather(vview, blocks, 0, s).float().repeat_interleave(group, dim=1)
+        keys = state._gather(kview, blocks, 0, s).float()  # [s, Hkv, D]
+        values = state._gather(vview, blocks, 0, s).float()
         qr = q[r].float()
-        logits = torch.einsum("shd,hd->hs", keys, qr) * state.scale
+        logits = grouped_logits(qr, keys) * state.scale  # [H, s]
         keep = torch.zeros(H, s, dtype=torch.bool)
         if r in plan.sparse:
             lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
@@ -82,7 +86,7 @@ def forward(state, q: torch.Tensor, kview, vview, plan, out: torch.Tensor) -> No
         else:
             keep[:] = True
         w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1)  # [H, s]
-        out[r] = torch.einsum("hs,shd->hd", w, values).to(out.dtype)
+        out[r] = grouped_output(w, values).to(out.dtype)
     plan.count_exact()
     if st.measure_error and plan.sparse:
         state.record_error(q, kview, vview, plan, out, list(plan.sparse))

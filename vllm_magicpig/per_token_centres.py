@@ -7,7 +7,7 @@ the local window are attended exactly; one softmax over both. The kernel can onl
 back one ``q . c`` per request, so centrings that give each key its own centre ``c_i``
 run here, in torch, one request at a time: correct, not fast.
 
-Key codes and centred norms depend only on the keys and the settings, so they are cached
+Centres, key codes and centred norms depend only on the keys and the settings, so they are cached
 per (layer, settings, indexed range, block ids, a fingerprint of the keys) and reused by
 every step of a request; the cache is bounded and cleared when the settings change.
 """
@@ -19,10 +19,11 @@ from collections import OrderedDict
 import torch
 
 from vllm_magicpig import centring, kernel
+from vllm_magicpig.eval_attention import collision_mask, grouped_logits, grouped_output
 from vllm_magicpig.reference import sampling_prob
 from vllm_magicpig.stats import STATS
 
-_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
 _CACHE_CAP_BYTES = 3 * 2**30
 _cache_bytes = 0
 
@@ -48,33 +49,35 @@ def estimate(q, keys, values, lo: int, hi: int, centres, codes, knorm, qcodes, s
     exact. Returns (out float32 [H, D], sampled bool [H, hi-lo])."""
     H, D = q.shape
     hkv = keys.shape[1]
-    kv = torch.arange(H) // (H // hkv)
     q = q.float()
-    qk = torch.einsum("shd,hd->hs", keys.float()[:, kv], q)  # [H, s]
+    qk = grouped_logits(q, keys.float())  # [H, s]
     logits = qk * scale
     if hi > lo:
-        qc = torch.einsum("nhd,hd->hn", centres[:, kv], q)
+        qc = grouped_logits(q, centres)  # q . c_i: [H, hi-lo]
+        kv = torch.arange(H) // (H // hkv)
         den = q.norm(dim=-1, keepdim=True) * knorm[kv]
         cos = torch.where(den > 1e-30, (qk[:, lo:hi] - qc) / den.clamp_min(1e-30), torch.zeros_like(qc))
         u = sampling_prob(cos, K, L).float()
-        sampled = (codes[kv] == qcodes.to(torch.int16)[:, :, None]).sum(1) >= 2
+        sampled = collision_mask(codes, qcodes)
         logits[:, lo:hi] = torch.where(sampled, logits[:, lo:hi] - torch.log(u + 1e-4), -math.inf)
     else:
         sampled = torch.zeros(H, 0, dtype=torch.bool)
     w = torch.softmax(logits, dim=1).nan_to_num(0.0)  # a row with nothing to attend gives 0
-    return torch.einsum("hs,shd->hd", w, values.float()[:, kv]), sampled
+    return grouped_output(w, values.float()), sampled
 
 
-def _cached_codes(state, centering: str, keys_cov, centres, lo: int, hi: int, blocks: tuple):
+def _cached_index(state, keys_cov, lo: int, hi: int, blocks: tuple):
+    """(centres, codes, knorm) of the covered keys, computed once per request and settings."""
     global _cache_bytes
     st = state.settings
     fingerprint = (float(keys_cov[:, :, 0].float().sum()), float(keys_cov[-1].float().sum()))
-    key = (state.name, centering, st.K, st.L, lo, hi, blocks, fingerprint)
+    key = (state.name, st.centering, st.K, st.L, lo, hi, blocks, fingerprint)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
-    value = key_codes(keys_cov, centres, state.proj, st.K, st.L)
+    centres = centring.token_centres(st.centering, state.name, keys_cov, lo, state.cfg.segment_tokens, state.rope)
+    value = (centres, *key_codes(keys_cov, centres, state.proj, st.K, st.L))
     _CACHE[key] = value
     _cache_bytes += sum(t.numel() * t.element_size() for t in value)
     while _cache_bytes > _CACHE_CAP_BYTES and len(_CACHE) > 1:
@@ -98,11 +101,7 @@ def forward(state, q: torch.Tensor, kview, vview, plan, out: torch.Tensor) -> No
         if r in plan.sparse:
             lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
         if hi > lo:
-            keys_cov = keys[lo:hi]
-            centres = centring.token_centres(st.centering, state.name, keys_cov, lo, state.cfg.segment_tokens,
-                                             state.rope)
-            codes, knorm = _cached_codes(state, st.centering, keys_cov, centres, lo, hi,
-                                         blocks[: (hi + bs - 1) // bs])
+            centres, codes, knorm = _cached_index(state, keys[lo:hi], lo, hi, blocks[: (hi + bs - 1) // bs])
             o, sampled = estimate(q[r], keys, values, lo, hi, centres, codes, knorm, qcodes[r], state.scale,
                                   st.K, st.L)
             STATS.decode_sparse += 1
