@@ -292,6 +292,7 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inh
 
 
 def _plot(summary: list[dict], path: Path) -> None:
+    """Accuracy against measured cost, one panel per context, one colour per family."""
     try:
         import matplotlib
 
@@ -300,20 +301,32 @@ def _plot(summary: list[dict], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'vllm-magicpig[eval]')")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    marks = {"full": "*", "magicpig": "o", "topk": "s", "quest": "^"}
-    for s in summary:
-        if s["cost"] is None:
-            continue
-        ax.scatter(max(s["cost"], 1e-3) * 100, s["avg"], marker=marks.get(s["family"], "x"), s=60,
-                   label=f"{s['method']} @{s['context']}")
-    ax.set_xscale("log")
-    ax.set_xlabel("cost: % of indexed keys attended (log)")
-    ax.set_ylabel("average task score")
-    ax.set_title("RULER-style tasks on SmolLM2-135M: accuracy vs cost")
-    ax.legend(fontsize=6, ncol=2)
+    contexts = sorted({s["context"] for s in summary})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 5), squeeze=False)
+    style = {"full": ("*", "black"), "magicpig": ("o", "tab:blue"), "topk": ("s", "tab:green"),
+             "quest": ("^", "tab:red")}
+    for ax, ctx in zip(axes[0], contexts):
+        for s in (x for x in summary if x["context"] == ctx and x["cost"] is not None):
+            marker, colour = style.get(s["family"], ("x", "grey"))
+            if "centre" in s["method"]:
+                colour = "tab:purple"
+            x = max(s["cost"], 1e-3) * 100
+            ax.scatter(x, s["avg"], marker=marker, color=colour, s=70)
+            label = s["method"].replace("magicpig", "MP").replace("-centre", " centre")
+            ax.annotate(label, (x, s["avg"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("cost: % of indexed keys attended (log)")
+        ax.set_ylabel("average task score")
+        ax.set_title(f"SmolLM2-135M, RULER-style tasks, {ctx} tokens")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def replot(json_path: Path) -> None:
+    """Redraw the PNG of an existing results JSON."""
+    _plot(json.loads(json_path.read_text())["summary"], json_path.with_suffix(".png"))
 
 
 def main(argv=None) -> int:
@@ -325,7 +338,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fidelity-tokens", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG of the --out (or default) JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        replot((Path(args.out) if args.out else RESULTS / "accuracy").with_suffix(".json"))
+        return 0
     smoke = args.smoke
     contexts = [int(x) for x in (args.contexts or ("2048" if smoke else "4096,8192")).split(",")]
     task_names = args.tasks.split(",") if not smoke else ["niah_single", "cwe"]
