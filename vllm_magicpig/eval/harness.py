@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -381,7 +382,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     global SPARSE_BATCH, ONLY
     SPARSE_BATCH = args.batch or SPARSE_BATCH
-    ONLY = None if args.only is None else set(args.only.split(","))
+    # names hold commas: "magicpig(10,150)"; split only on commas outside parentheses
+    ONLY = None if args.only is None else set(re.split(r",(?![^()]*\))", args.only))
     smoke = args.smoke
     contexts = [int(x) for x in (args.contexts or ("2048" if smoke else "4096,8192")).split(",")]
     task_names = args.tasks.split(",") if not smoke else ["niah_single", "cwe"]
