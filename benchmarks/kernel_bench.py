@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_magicpig import kernel as kx  # noqa: E402
-from vllm_magicpig import reference as ref  # noqa: E402
+from vllm_magicpig.eval import reference as ref  # noqa: E402
 
 SINKS, WINDOW, TAIL, SEG_MAX, BLOCK = 4, 64, 100, 32768, 128
 

@@ -1,7 +1,7 @@
 """The evaluation baselines (exact TopK, Quest) against deliberately naive references.
 
 The references below loop over heads and pages in float64 and share no code with
-``vllm_magicpig.baselines``. Quest (Tang et al. 2024): pages of ``page`` tokens on the
+``vllm_magicpig.eval.decode.baselines``. Quest (Tang et al. 2024): pages of ``page`` tokens on the
 absolute token grid, clipped to the indexed range [lo, hi); a page's score is
 sum_d max(q_d * min_d, q_d * max_d) over its valid keys; the ceil(budget / page)
 best pages (all of them when budget >= hi - lo) are attended in full, so edge pages
@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_magicpig import baselines
-from vllm_magicpig.baselines import _select
-from vllm_magicpig.sparse_decode import LayerState
+from vllm_magicpig.eval.decode import baselines
+from vllm_magicpig.eval.decode.baselines import BaselineDecode, _select
+from vllm_magicpig.kv_layout import KVViews
+from vllm_magicpig.planner import DecodePlan
 
 
 # --------------------------------------------------------------------------- references
@@ -279,10 +280,8 @@ def _fake(method, frac, page, H=9, Hkv=3, D=16, bs=16, seq_lens=(300, 260, 40), 
         else:
             dense[r] = torch.tensor([[0, s], [s, s]])
     settings = SimpleNamespace(method=method, budget_fraction=frac, quest_page_size=page, measure_error=False)
-    state = SimpleNamespace(settings=settings, num_kv_heads=Hkv, scale=D ** -0.5, name="layer.test",
-                            _gather=LayerState._gather)
-    plan = SimpleNamespace(seq_lens=list(seq_lens), block_table=bt, dense_ranges=dense, sparse=sparse,
-                           count_exact=lambda: None)
+    state = SimpleNamespace(settings=settings, num_kv_heads=Hkv, scale=D ** -0.5, name="layer.test")
+    plan = DecodePlan(None, len(seq_lens), bt, list(seq_lens), dense, sparse)
     q = torch.randn(len(seq_lens), H, D, generator=g).to(dtype)
     return state, plan, q, kview, vview
 
@@ -312,12 +311,21 @@ def _naive_forward(state, plan, q, kview, vview, H):
     return out
 
 
+def _forward(state, plan, q, kview, vview, out):
+    """The baseline decode method on this fake layer (its settings as the method reads them)."""
+    st = state.settings
+    ctx = SimpleNamespace(settings=SimpleNamespace(options={"budget_fraction": st.budget_fraction,
+                                                            "quest_page_size": st.quest_page_size}),
+                          num_kv_heads=state.num_kv_heads, scale=state.scale, name=state.name)
+    return BaselineDecode(st.method).forward(ctx, q, KVViews(kview, vview), plan, out)
+
+
 @pytest.mark.parametrize("method,page", [("topk", 16), ("quest", 16), ("quest", 8)])
 def test_forward_matches_naive(method, page):
     H = 9
     state, plan, q, kview, vview = _fake(method, 0.05, page, H=H)
     out = torch.zeros(q.shape, dtype=torch.float32)
-    baselines.forward(state, q, kview, vview, plan, out)
+    _forward(state, plan, q, kview, vview, out)
     torch.testing.assert_close(out.double(), _naive_forward(state, plan, q, kview, vview, H), rtol=1e-4, atol=1e-4)
 
 
@@ -326,14 +334,14 @@ def test_forward_full_budget_is_exact_attention(method):
     H = 9
     state, plan, q, kview, vview = _fake(method, 1.0, 16, H=H, seed=3)
     out = torch.zeros(q.shape, dtype=torch.float32)
-    baselines.forward(state, q, kview, vview, plan, out)
+    _forward(state, plan, q, kview, vview, out)
     state.settings.budget_fraction = 1.0
-    plan_exact = SimpleNamespace(**{**vars(plan), "sparse": []})
+    plan_exact = DecodePlan(None, plan.num_decodes, plan.block_table, plan.seq_lens, plan.dense_ranges, [])
     ref = _naive_forward(state, plan_exact, q, kview, vview, H)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     # and a small budget really differs from exact attention on the sparse requests
     state2, plan2, *_ = _fake(method, 0.02, 16, H=H, seed=3)
     out2 = torch.zeros(q.shape, dtype=torch.float32)
-    baselines.forward(state2, q, kview, vview, plan2, out2)
+    _forward(state2, plan2, q, kview, vview, out2)
     assert not torch.allclose(out2[0].double(), ref[0], atol=1e-3)
     torch.testing.assert_close(out2[2].double(), ref[2], rtol=1e-4, atol=1e-4)  # short request: exact

@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from vllm_magicpig import centring, control, kernel, per_token_centres, reference
-from vllm_magicpig.sparse_decode import projection
+from types import SimpleNamespace
+
+from helpers import make_runtime, to_paged
+
+from vllm_magicpig import kernel
+from vllm_magicpig.eval import reference
+from vllm_magicpig.eval.decode import centring
+from vllm_magicpig.eval.decode import per_key as per_token_centres
+from vllm_magicpig.eval.decode import settings as control
+from vllm_magicpig.ops import CpuKernelOps
+from vllm_magicpig.runtime import simhash_projection as projection
 
 
 def _rope_complex(x: torch.Tensor, pos: torch.Tensor, theta: float, factor: float = 1.0) -> torch.Tensor:
@@ -70,7 +79,7 @@ def test_piece_bounds_cut_on_the_absolute_grid():
 
 def test_segment_centres_are_piece_means():
     keys = torch.randn(600, 3, 16)
-    c = centring.token_centres("segment", "layer", keys, 100, 256, None)  # positions 100..699
+    c = centring.token_centres(None, "segment", "layer", keys, 100, 256)  # positions 100..699
     torch.testing.assert_close(c[0], keys[:156].mean(0))
     torch.testing.assert_close(c[200], keys[156:412].mean(0))
     torch.testing.assert_close(c[-1], keys[412:].mean(0))
@@ -95,16 +104,14 @@ def test_per_key_estimator_matches_float64_reference(s, H, hkv, lo, hi, K, L, ce
     D = 64
     q, keys, values = _case(g, s, H, hkv, D, lo, hi)
     rope = centring.Rope(D, 10000.0)
+    ev = SimpleNamespace(calibration={}, rope=rope)  # the evaluation state a worker runtime holds
     if centering == "pre_rope":
         cal = centring.LayerCalibration(hkv, D)
         cal.add(torch.randn(800, hkv, D, generator=g) + 1.0, rope)
-        centring.CALIBRATION["test.layer"] = cal
-    try:
-        centres = centring.token_centres(centering, "test.layer", keys[lo:hi], lo, 128, rope)
-    finally:
-        centring.CALIBRATION.pop("test.layer", None)
+        ev.calibration["test.layer"] = cal
+    centres = centring.token_centres(ev, centering, "test.layer", keys[lo:hi], lo, 128)
     proj = projection(D, K, L, seed=int(torch.randint(0, 1000, (), generator=g)))
-    codes, knorm = per_token_centres.key_codes(keys[lo:hi], centres, proj, K, L)
+    codes, knorm = per_token_centres.key_codes(CpuKernelOps(), keys[lo:hi], centres, proj, K, L)
     qcodes = kernel.hash_codes(q, proj, K, L)
     scale = 1 / math.sqrt(D)
     out, sampled = per_token_centres.estimate(q, keys, values, lo, hi, centres, codes, knorm, qcodes, scale, K, L)
@@ -129,31 +136,35 @@ def test_per_key_estimator_with_one_centre_equals_the_kernel():
     q, keys, values = _case(g, s, H, hkv, D, lo, hi)
     centre = keys[lo:hi].float().mean(0)
     proj = projection(D, K, L, seed=3)
-    codes, knorm = per_token_centres.key_codes(keys[lo:hi], centre.expand(hi - lo, hkv, D), proj, K, L)
+    codes, knorm = per_token_centres.key_codes(CpuKernelOps(), keys[lo:hi], centre.expand(hi - lo, hkv, D), proj,
+                                               K, L)
     qcodes = kernel.hash_codes(q, proj, K, L)
     scale = 1 / math.sqrt(D)
     out, sampled = per_token_centres.estimate(q, keys, values, lo, hi, centre.expand(hi - lo, hkv, D), codes,
                                               knorm, qcodes, scale, K, L)
-    kview, vview, bt, _ = reference.to_paged([(keys, values)], 16, generator=g)
+    kview, vview, bt, _ = to_paged([(keys, values)], 16, generator=g)
     seg = kernel.build_segment(keys[lo:hi], values[lo:hi], centre, proj, K, L)
     dense = torch.tensor([[[0, lo], [hi, s]]], dtype=torch.int32)
     kq = torch.empty(1, H, D)
     counts = torch.zeros(1, H, dtype=torch.int64)
     qdc = torch.einsum("hd,hd->h", q, centre[torch.arange(H) // (H // hkv)]).view(1, H)
-    kernel.sparse_decode_attention(q.view(1, H, D), qcodes.view(1, H, L), qdc, [[seg]], kview, vview, bt, dense,
-                                   scale, K, L, out=kq, sampled_counts=counts)
+    kernel.sparse_decode_attention(q.view(1, H, D), qcodes.view(1, H, L), qdc, [[seg]], kview, vview,
+                                   block_table=bt, dense_ranges=dense, scale=scale, K=K, L=L, out=kq,
+                                   sampled_counts=counts)
     assert int(counts.sum()) == int(sampled.sum()) > 0
     torch.testing.assert_close(out, kq[0], atol=2e-3, rtol=2e-2)
 
 
 def test_eval_centrings_need_calibration_and_name_the_fix():
-    centring.clear_calibration()
+    rt = make_runtime()
     with pytest.raises(ValueError, match="calibrate=True"):
-        control.set_eval(centering="global")
+        control.set_eval(rt, centering="global")
     with pytest.raises(ValueError, match="not one of"):
-        control.set_eval(centering="sideways")
-    assert control.set_eval(centering="segment")["centering"] == "segment"  # needs no calibration
-    control.set_eval()
+        control.set_eval(rt, centering="sideways")
+    assert control.set_eval(rt, centering="segment")["centering"] == "segment"  # needs no calibration
+    assert rt.step_settings().method == "magicpig_per_key"  # a per-key centring runs the torch method
+    control.set_eval(rt)
+    assert rt.step_settings().method == "magicpig"
 
 
 def test_pre_rope_coherence_is_one_for_one_rotated_key_and_low_for_random_keys():

@@ -10,15 +10,20 @@ import re
 
 import pytest
 
-from vllm_magicpig import control
+from helpers import make_runtime
+
 from vllm_magicpig.config import (
-    CENTERINGS,
-    DECODE_METHODS,
     MagicPigConfig,
     MagicPigConfigError,
+    centerings,
+    decode_method_names,
     parse_config,
     validate_for_model,
 )
+from vllm_magicpig.eval.decode import settings as eval_settings
+
+CENTERINGS = centerings()
+DECODE_METHODS = decode_method_names()  # production's and the evaluation extension's
 
 
 def _parse(**magicpig):
@@ -62,7 +67,7 @@ def test_valid_values_are_kept():
     assert cfg.centering == "none" and cfg.decode_method == "exact"
     assert (cfg.segment_tokens, cfg.max_segment_tokens) == (256, 256)
     assert cfg.inherit_centre is False
-    assert cfg.budget_fraction == 1.0 and isinstance(cfg.budget_fraction, float)
+    assert cfg.option("budget_fraction") == 1.0 and isinstance(cfg.option("budget_fraction"), float)
     assert cfg.log_stats_interval == 0
 
 
@@ -213,36 +218,34 @@ def test_validate_for_model_accepts_defaults():
     validate_for_model(MagicPigConfig(), num_layers=30, block_size=32)
 
 
-# --------------------------------------------------------------------------- control
-
-
-def _effective_method() -> str:
-    """The decode method a step would use under the default config."""
-    return control.settings(MagicPigConfig()).method
+# --------------------------------------------------------------------------- evaluation override
 
 
 @pytest.fixture
-def reset_decode_method():
-    control.set_decode_method(None)
-    yield
-    control.set_decode_method(None)
+def rt():
+    return make_runtime()
 
 
-def test_set_decode_method(reset_decode_method):
-    assert _effective_method() == "magicpig"
+def _effective_method(rt) -> str:
+    """The decode method a step would use under the default config."""
+    return rt.step_settings().method
+
+
+def test_set_decode_method(rt):
+    assert _effective_method(rt) == "magicpig"
     for m in DECODE_METHODS:
-        control.set_decode_method(m)
-        assert _effective_method() == m
-    control.set_decode_method(None)
-    assert _effective_method() == "magicpig"  # back to the configured method
-    assert control.settings(MagicPigConfig(decode_method="exact")).method == "exact"
+        eval_settings.set_decode_method(rt, m)
+        assert _effective_method(rt) == m
+    eval_settings.set_decode_method(rt, None)
+    assert _effective_method(rt) == "magicpig"  # back to the configured method
+    assert make_runtime(MagicPigConfig(decode_method="exact")).step_settings().method == "exact"
 
 
 @pytest.mark.parametrize("bad", ["bogus", "MAGICPIG", "", "dense"])
-def test_set_decode_method_rejects_unknown(reset_decode_method, bad):
-    control.set_decode_method("exact")
+def test_set_decode_method_rejects_unknown(rt, bad):
+    eval_settings.set_decode_method(rt, "exact")
     with pytest.raises(ValueError) as ei:
-        control.set_decode_method(bad)
+        eval_settings.set_decode_method(rt, bad)
     msg = str(ei.value)
     assert repr(bad) in msg and all(m in msg for m in DECODE_METHODS), msg
-    assert _effective_method() == "exact"  # a rejected call changes nothing
+    assert _effective_method(rt) == "exact"  # a rejected call changes nothing

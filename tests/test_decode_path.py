@@ -6,11 +6,14 @@ import math
 
 import pytest
 import torch
+from helpers import FakeCam, make_runtime
 
-from vllm_magicpig.config import MagicPigConfig
-from vllm_magicpig.control import StepSettings
 from vllm_magicpig import kernel
-from vllm_magicpig.sparse_decode import DecodePlan, LayerState, StepPlanner, segment_layout
+from vllm_magicpig.config import MagicPigConfig
+from vllm_magicpig.decode_methods import LayerContext
+from vllm_magicpig.kv_layout import CpuVecLayout, gather
+from vllm_magicpig.layer import SparseLayer
+from vllm_magicpig.planner import DecodePlan, StepPlanner, StepSettings, segment_layout
 
 
 def _vec_cache(num_blocks, hkv, block, d, dtype=torch.bfloat16):
@@ -37,11 +40,11 @@ def test_views_read_back_what_vllm_wrote(d, hkv, block):
     key = torch.randn(n, hkv, d, dtype=torch.bfloat16)
     value = torch.randn(n, hkv, d, dtype=torch.bfloat16)
     _write(cache, key, value, slots)
-    kview, vview = LayerState._views(None, cache)
-    assert torch.equal(LayerState._gather(kview, tuple(blocks), 0, n), key)
-    assert torch.equal(LayerState._gather(vview, tuple(blocks), 0, n), value)
+    kv = CpuVecLayout().views(cache)
+    assert torch.equal(gather(kv.key, tuple(blocks), 0, n), key)
+    assert torch.equal(gather(kv.value, tuple(blocks), 0, n), value)
     # an interior range, as segments and centres read it
-    assert torch.equal(LayerState._gather(kview, tuple(blocks), 5, block + 9), key[5 : block + 9])
+    assert torch.equal(gather(kv.key, tuple(blocks), 5, block + 9), key[5 : block + 9])
 
 
 @pytest.mark.parametrize("end,unit,largest", [(512, 512, 32768), (13 * 512, 512, 4096), (40 * 128, 128, 2048)])
@@ -69,7 +72,7 @@ def _exact(q, keys, values, scale, group):
 
 @pytest.mark.parametrize("method", ["topk", "quest"])
 def test_baselines_full_budget_is_exact_and_small_budget_is_not(method):
-    from vllm_magicpig import baselines
+    from vllm_magicpig.eval.decode.baselines import BaselineDecode
 
     d, hkv, group, block, s = 64, 3, 3, 128, 1000
     H = hkv * group
@@ -78,41 +81,27 @@ def test_baselines_full_budget_is_exact_and_small_budget_is_not(method):
     key = torch.randn(s, hkv, d, dtype=torch.bfloat16)
     value = torch.randn(s, hkv, d, dtype=torch.bfloat16)
     _write(cache, key, value, torch.arange(s, dtype=torch.int64))
-    state = LayerState(MagicPigConfig(), "layer", 1, H, hkv, d, 1 / math.sqrt(d))
-    kview, vview = state._views(cache)
+    ctx = LayerContext("layer", 1, H, hkv, d, 1 / math.sqrt(d), make_runtime(MagicPigConfig()))
+    kv = CpuVecLayout().views(cache)
     q = torch.randn(1, H, d, dtype=torch.bfloat16) * 3
     bt = torch.tensor([blocks], dtype=torch.int32)
     dense = torch.tensor([[[0, 4], [900, s]]], dtype=torch.int32)
-    ref = _exact(q[0], key, value, state.scale, group)
+    ref = _exact(q[0], key, value, ctx.scale, group)
     for frac, should_match in ((1.0, True), (0.02, False)):
-        state.settings = StepSettings(method, 10, 150, "request", frac, 16)
-        plan = DecodePlan(state.settings, 1, bt, [s], dense, [0])
+        ctx.settings = StepSettings(method, 10, 150, "request", {"budget_fraction": frac, "quest_page_size": 16})
+        plan = DecodePlan(ctx.settings, 1, bt, [s], dense, [0])
         out = torch.full((1, H, d), float("nan"))
-        baselines.forward(state, q, kview, vview, plan, out)
+        BaselineDecode(method).forward(ctx, q, kv, plan, out)
         err = float((out[0] - ref).norm() / ref.norm())
         assert (err < 1e-5) == should_match, (frac, err)
-
-
-class _Cam:
-    """The CommonAttentionMetadata fields the planner reads."""
-
-    def __init__(self, seq_lens, block_table, slot_mapping=None, num_reqs=None):
-        self.seq_lens = seq_lens
-        self.block_table_tensor = block_table
-        self.slot_mapping = slot_mapping if slot_mapping is not None else torch.empty(0, dtype=torch.int64)
-        self.num_actual_tokens = self.slot_mapping.numel()
-        self.num_reqs = num_reqs if num_reqs is not None else len(seq_lens)
-        self.seq_lens_cpu_upper_bound = seq_lens
 
 
 def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
     """The whole per-layer path (planner, centre, segments with levels, vLLM cache reads,
     kernel) equals the float64 estimator over the same codes, before and after the
     context grows enough for segments to merge."""
-    from vllm_magicpig import reference
-    from vllm_magicpig.index import STORE
+    from vllm_magicpig.eval import reference
 
-    STORE.clear()
     seed = torch.seed() % 2**31
     g = torch.Generator().manual_seed(seed)
     d, hkv, group, block = 64, 3, 3, 128
@@ -129,23 +118,25 @@ def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
     for r, n in enumerate(lens):
         slots = bt[r].long().repeat_interleave(block)[: n + grow] * block + torch.arange(n + grow) % block
         _write(cache, keys[r], vals[r], slots)
-    state = LayerState(cfg, "model.layers.1.self_attn.attn", 1, H, hkv, d, d ** -0.5)
-    planner = StepPlanner(cfg, block)
-    settings = StepSettings("magicpig", 10, 150, "request", 0.04, 16)
+    rt = make_runtime(cfg)
+    layer = SparseLayer(LayerContext("model.layers.1.self_attn.attn", 1, H, hkv, d, d ** -0.5, rt))
+    planner = StepPlanner(cfg, block, rt.index)
+    settings = StepSettings("magicpig", 10, 150, "request")
     built_before = None
     for step, extra in enumerate((0, grow)):
         seq = torch.tensor([n + extra for n in lens], dtype=torch.int32)
-        plan = planner.plan(_Cam(seq, bt), len(lens), settings)
+        plan = planner.plan(FakeCam(seq, bt), len(lens), settings)
         assert plan.sparse == [0, 1], f"seed {seed}"
         q = (torch.randn(len(lens), H, d, generator=g) - 0.5 * off.repeat_interleave(group, 0)).bfloat16()
         out = torch.full((len(lens), H, d), float("nan"), dtype=torch.bfloat16)
-        state.forward(q, cache, plan, out)
-        qcodes = kernel.hash_codes(q.reshape(-1, d), state.proj, 10, 150).view(len(lens), H, 150)
+        layer.forward(q, layer.begin(cache, plan), plan, out)
+        proj = layer.ctx.projection
+        qcodes = kernel.hash_codes(q.reshape(-1, d), proj, 10, 150).view(len(lens), H, 150)
         for r in range(len(lens)):
             s = int(seq[r])
             lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
             assert lo == cfg.sink_tokens and s - hi >= cfg.local_window, f"seed {seed}"
-            segs = [STORE.get_segment(state.name, ref.key) for ref in plan.segments[r]]
+            segs = [rt.index.get_segment(layer.ctx.name, ref.key) for ref in plan.segments[r]]
             kcodes = torch.zeros(hkv, 150, s, dtype=torch.int64)
             kcodes[:, :, lo:hi] = torch.cat([sg.codes() for sg in segs], dim=2).long()
             covered = torch.zeros(s, dtype=torch.bool)
@@ -153,18 +144,12 @@ def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
             spec = plan.centres[r]
             centre = keys[r][spec.start : spec.end].float().mean(0)
             ref_out, _, sampled = reference.magicpig_attention(
-                q[r], keys[r][:s], vals[r][:s], centre, state.proj, 10, 150, covered, state.scale,
+                q[r], keys[r][:s], vals[r][:s], centre, proj, 10, 150, covered, layer.ctx.scale,
                 query_codes=qcodes[r], kcodes=kcodes)
             assert 0 < sampled.float().mean() < 0.5, f"seed {seed}"
             err = float((out[r].double() - ref_out).norm() / ref_out.norm())
             assert err < 2e-2, f"seed {seed} step {step} request {r}: rel err {err}"
         if step == 0:
-            built_before = STATS_SNAPSHOT()
-    after = STATS_SNAPSHOT()
+            built_before = dict(rt.stats.index)
+    after = dict(rt.stats.index)
     assert after.get("segments_merged", 0) > built_before.get("segments_merged", 0), (built_before, after)
-
-
-def STATS_SNAPSHOT():
-    from vllm_magicpig.stats import STATS
-
-    return dict(STATS.index)

@@ -63,5 +63,5 @@ def test_eval_centrings_sample_in_the_decode_path(llm, centering):
         assert st["index"]["centres_computed"] >= 1  # a centre per request, from calibration
         assert st["index"]["segments_built"] > 0  # and the C++ kernel's segments
     else:
-        assert st["decode_baseline"][f"magicpig[{centering}]"] > 0  # the per-key torch path
+        assert st["decode_by_method"][f"magicpig[{centering}]"] > 0  # the per-key torch path
         assert st["index"].get("segments_built", 0) == 0

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from vllm_magicpig import kernel as kx
-from vllm_magicpig import reference as ref
+from vllm_magicpig.eval import reference as ref
+from helpers import to_paged
 
 HAS_FAST = kx.active_isa() != "scalar"
 PATHS = [True, False] if HAS_FAST else [True]  # force_scalar values to run
@@ -59,7 +60,7 @@ class Case:
             self.ranges.append([[0, a], [p, n]])
             self.covered.append(cov)
             self.centres.append(centre)
-        self.kview, self.vview, self.bt, self._cache = ref.to_paged(self.ctx, block_size, generator=gen)
+        self.kview, self.vview, self.bt, self._cache = to_paged(self.ctx, block_size, generator=gen)
         self.dense_ranges = torch.tensor(self.ranges, dtype=torch.int32)
         qd = qdtype or dtype
         self.query = (torch.randn(len(lens), self.H, D, generator=gen) * query_scale).to(qd)
@@ -276,7 +277,7 @@ def test_centering_helps_and_finds_needle():
     res = {}
     for name, centre in (("centred", keys.float().mean(0)), ("raw", torch.zeros(1, D))):
         seg = kx.build_segment(keys, vals, centre, W, K, L)
-        kview, vview, bt, _ = ref.to_paged(kv, 16, generator=gen)
+        kview, vview, bt, _ = to_paged(kv, 16, generator=gen)
         query = q.view(1, 1, D).bfloat16()
         qc = kx.hash_codes(query[0], W, K, L).view(1, 1, L)
         qdc = (query[0].double() @ centre.double().T).float()

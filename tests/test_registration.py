@@ -204,22 +204,26 @@ def test_entry_point():
 
 
 def test_worker_rpc_methods(registered):
+    from helpers import make_runtime
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from vllm_magicpig import control
-    from vllm_magicpig.stats import STATS
+    from vllm_magicpig import runtime
 
-    snap = WorkerWrapperBase.magicpig_stats(object())
-    assert snap == STATS.snapshot() and "decode_sparse" in snap
+    rt = make_runtime()
+    runtime.install(rt)
     try:
-        from vllm_magicpig.config import MagicPigConfig
-
+        snap = WorkerWrapperBase.magicpig_stats(object())
+        assert snap == rt.stats.snapshot() and "decode_sparse" in snap
         WorkerWrapperBase.magicpig_set_decode_method(object(), "exact")
-        assert control.settings(MagicPigConfig()).method == "exact"
+        assert rt.step_settings().method == "exact"
         with pytest.raises(ValueError, match="not one of"):
             WorkerWrapperBase.magicpig_set_decode_method(object(), "dense")
+        WorkerWrapperBase.magicpig_set_decode_method(object(), None)
+        assert rt.step_settings().method == "magicpig"
+        rt.stats.decode_sparse += 3
+        WorkerWrapperBase.magicpig_reset_stats(object())
+        assert rt.stats.decode_sparse == 0
     finally:
-        control.set_decode_method(None)
-    STATS.decode_sparse += 3
-    WorkerWrapperBase.magicpig_reset_stats(object())
-    assert STATS.decode_sparse == 0
+        runtime.install(None)
+    # a worker without MAGICPIG layers answers with empty counters
+    assert WorkerWrapperBase.magicpig_stats(object())["decode_sparse"] == 0

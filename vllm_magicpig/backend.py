@@ -1,8 +1,10 @@
-"""The MAGICPIG attention backend: vLLM's CPU attention for prefill, LSH sampling for decode.
+"""The MAGICPIG attention backend on vLLM's CPU platform: thin subclasses of its CPU attention.
 
 Prefill tokens (and prefill chunks of mixed batches), dense layers and short contexts
 go to the platform's own kernel (``CPUAttentionBackendImpl``), unchanged. Decode
-requests of sparse layers go through :meth:`MagicPigImpl.forward_decode`.
+requests of sparse layers go through :meth:`MagicPigImpl.forward_decode`, which hands
+them to the device-agnostic decode path (``planner.py``, ``layer.py``) over this
+platform's KV layout and ops (``kv_layout.CpuVecLayout``, ``ops.CpuKernelOps``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import vllm_magicpig
 vllm_magicpig.require_vllm()
 
 import torch  # noqa: E402
-from vllm.config import get_current_vllm_config  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.attention.backend import AttentionType, MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
@@ -26,11 +27,14 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills  # noqa: E402
 from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata  # noqa: E402
 
-from vllm_magicpig import centring, control  # noqa: E402
-from vllm_magicpig.config import MagicPigConfig, MagicPigConfigError, parse_config  # noqa: E402
-from vllm_magicpig.startup_checks import SUPPORTED_HEAD_SIZES, total_layers  # noqa: E402
-from vllm_magicpig.sparse_decode import DecodePlan, LayerState, StepPlanner  # noqa: E402
-from vllm_magicpig.stats import EXACT_DENSE_LAYER, STATS  # noqa: E402
+from vllm_magicpig import runtime as runtimes  # noqa: E402
+from vllm_magicpig.config import MagicPigConfigError  # noqa: E402
+from vllm_magicpig.decode_methods import LayerContext  # noqa: E402
+from vllm_magicpig.layer import SparseLayer  # noqa: E402
+from vllm_magicpig.limits import SUPPORTED_HEAD_SIZES  # noqa: E402
+from vllm_magicpig.planner import DecodePlan, StepPlanner  # noqa: E402
+from vllm_magicpig.runtime import MagicPigRuntime  # noqa: E402
+from vllm_magicpig.stats import EXACT_DENSE_LAYER  # noqa: E402
 
 logger = init_logger("vllm.magicpig")  # under vLLM's logger tree, so its handler prints it
 
@@ -42,7 +46,7 @@ class MagicPigBackend(CPUAttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "MAGICPIG"  # must equal the registered enum name
+        return vllm_magicpig.BACKEND_NAME  # the registered enum name
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -91,6 +95,7 @@ class MagicPigMetadata:
     num_prefills: int
     decode: CPUAttentionMetadata | None  # decode requests only (exact decode)
     prefill: CPUAttentionMetadata | None  # prefill requests only, when mixed with decodes
+    runtime: MagicPigRuntime
     sparse_plan: DecodePlan | None = None
 
     # vLLM reads these names on metadata objects in a few generic places.
@@ -122,8 +127,8 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
                 f"MAGICPIG needs vLLM's 'vec' CPU attention layout (x86-64, head_dim and block "
                 f"size multiples of 32); this machine/config selected {self.isa!r}"
             )
-        self.cfg: MagicPigConfig = parse_config(vllm_config.additional_config)
-        self.planner = StepPlanner(self.cfg, self.block_size)
+        self.runtime = runtimes.attach(vllm_config)
+        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> MagicPigMetadata:
         cam = common_attn_metadata
@@ -132,10 +137,12 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             cam, decode_threshold=1, treat_short_extends_as_decodes=False
         )
-        STATS.steps += 1
+        rt = self.runtime
+        stats = rt.stats
+        stats.steps += 1
         if num_prefills:
-            STATS.prefill_chunks += num_prefills
-            STATS.prefill_tokens += cam.num_actual_tokens - num_decode_tokens
+            stats.prefill_chunks += num_prefills
+            stats.prefill_tokens += cam.num_actual_tokens - num_decode_tokens
         decode = prefill = None
         if num_decodes and num_prefills:
             d_cam, p_cam = split_attn_metadata(
@@ -151,11 +158,10 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
             prefill = super().build(0, p_cam, fast_build)
         elif num_decodes:
             decode = full
-        settings = control.settings(self.cfg)
         self.planner.observe_step(cam, num_decodes)
-        plan = self.planner.plan(cam, num_decodes, settings) if num_decodes else None
-        if self.cfg.log_stats_interval and STATS.steps % self.cfg.log_stats_interval == 0:
-            logger.info(STATS.summary_line())
+        plan = self.planner.plan(cam, num_decodes, rt.step_settings()) if num_decodes else None
+        if rt.cfg.log_stats_interval and stats.steps % rt.cfg.log_stats_interval == 0:
+            logger.info(stats.summary_line())
         return MagicPigMetadata(
             full=full,
             num_decodes=num_decodes,
@@ -163,6 +169,7 @@ class MagicPigMetadataBuilder(CPUAttentionMetadataBuilder):
             num_prefills=num_prefills,
             decode=decode,
             prefill=prefill,
+            runtime=rt,
             sparse_plan=plan,
         )
 
@@ -182,25 +189,18 @@ class MagicPigImpl(CPUAttentionBackendImpl):
             raise MagicPigConfigError("MAGICPIG does not support logit soft-capping")
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        vllm_config = get_current_vllm_config()
-        self.cfg = parse_config(vllm_config.additional_config)
-        self.num_layers = total_layers(vllm_config.model_config, vllm_config.parallel_config)
-        self.dense_layers = self.cfg.resolved_dense_layers(self.num_layers)
-        # Only the evaluation-only centrings use it (see vllm_magicpig.centring).
-        self.rope = centring.Rope.from_hf_config(vllm_config.model_config.hf_config, head_size)
-        if not centring.MODEL_ROPE:
-            centring.MODEL_ROPE.append(self.rope)
+        # Which layer this is, and whether it is dense, is known at the first forward (from the
+        # layer's name and the runtime on the metadata).
         self.layer_index: int | None = None
-        self.sparse_layer = None  # sparse_decode.LayerState, created on first use
+        self.sparse_layer: SparseLayer | None = None
 
-    def _resolve_layer(self, layer) -> None:
+    def _resolve_layer(self, layer, rt: MagicPigRuntime) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         self.layer_index = extract_layer_index(layer.layer_name)
-        if self.layer_index not in self.dense_layers:
-            self.sparse_layer = LayerState(self.cfg, layer.layer_name, self.layer_index, self.num_heads,
-                                           self.num_kv_heads, self.head_size, self.scale)
-            self.sparse_layer.rope = self.rope
+        if self.layer_index not in rt.dense_layers:
+            self.sparse_layer = SparseLayer(LayerContext(layer.layer_name, self.layer_index, self.num_heads,
+                                                         self.num_kv_heads, self.head_size, self.scale, rt))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -208,29 +208,28 @@ class MagicPigImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("MAGICPIG does not support fused output quantization")
         if attn_metadata is None:  # profiling / warm-up
             return output
-        if self.layer_index is None:
-            self._resolve_layer(layer)
-        STATS.count_layer(layer.layer_name)
         meta: MagicPigMetadata = attn_metadata
+        if self.layer_index is None:
+            self._resolve_layer(layer, meta.runtime)
+        meta.runtime.stats.count_layer(layer.layer_name)
         nd = meta.num_decode_tokens
         if meta.num_decodes == 0 or self.sparse_layer is None:
             if meta.num_decodes:
-                STATS.decode_exact[EXACT_DENSE_LAYER] += meta.num_decodes
+                meta.runtime.stats.decode_exact[EXACT_DENSE_LAYER] += meta.num_decodes
             return super().forward(layer, query, key, value, kv_cache, meta.full, output)
         if meta.num_prefills:
             t = meta.full.num_actual_tokens
             super().forward(layer, query[nd:t], key[nd:t], value[nd:t], kv_cache, meta.prefill, output[nd:t])
-        self.forward_decode(layer, query[:nd], kv_cache, meta, output[:nd])
+        self.forward_decode(layer, query[:nd], key[:nd], value[:nd], kv_cache, meta, output[:nd])
         return output
 
-    def forward_decode(self, layer, query, kv_cache, meta: MagicPigMetadata, output) -> None:
+    def forward_decode(self, layer, query, key, value, kv_cache, meta: MagicPigMetadata, output) -> None:
         """Decode attention for the batch's decode requests in a sparse layer."""
         plan = meta.sparse_plan
-        if plan.settings.calibrate:
-            self.sparse_layer.calibrate(kv_cache, plan)
+        kv = self.sparse_layer.begin(kv_cache, plan)
         if not plan.sparse:
             # Nothing to sample this step: the platform kernel is the fastest exact path.
-            plan.count_exact()
-            super().forward(layer, query, query, query, kv_cache, meta.decode, output)
+            self.sparse_layer.account_exact(plan)
+            super().forward(layer, query, key, value, kv_cache, meta.decode, output)
             return
-        self.sparse_layer.forward(query, kv_cache, plan, output)
+        self.sparse_layer.forward(query, kv, plan, output)

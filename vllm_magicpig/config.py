@@ -1,20 +1,23 @@
 """The MAGICPIG configuration: parsed from ``additional_config["magicpig"]`` and validated.
 
 Every error names the offending key, the value given and what is allowed, because
-these messages are what a user sees when ``vllm serve`` refuses to start.
+these messages are what a user sees when ``vllm serve`` refuses to start. Parsed once per
+process that needs it (the front end's start-up check, the worker's runtime); the limits
+come from :mod:`vllm_magicpig.limits`. Extensions may add keys (``extensions.py``); their
+values are validated here too and carried in ``MagicPigConfig.extra``.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-CONFIG_KEY = "magicpig"
+from vllm_magicpig import decode_methods, extensions
+from vllm_magicpig.limits import K_RANGE, L_RANGE, MAX_SEGMENT_TOKENS
 
-CENTERINGS = ("request", "none")
-# Evaluation-only decode methods (see README "Accuracy harness"): they run in the same
-# decode path so that the baselines are measured exactly where MAGICPIG is.
-DECODE_METHODS = ("magicpig", "exact", "topk", "quest")
+CONFIG_KEY = "magicpig"
+# Accepted spellings of a key: the British spelling the code uses, for the documented one.
+ALIASES = {"centring": "centering"}
 
 
 class MagicPigConfigError(ValueError):
@@ -48,7 +51,8 @@ class MagicPigConfig:
     """Cap on the CPU-side index (hash tables + K/V mirror), per worker. Least
     recently used segments are evicted; their tokens are then attended exactly."""
     centering: str = "request"
-    """Key centring: per request (the paper's; measured best) or none (ablation only)."""
+    """Key centring: per request (the paper's; measured best) or none (ablation only).
+    Also accepted as ``centring``."""
     inherit_centre: bool = True
     """A prompt that extends a prefix which already has a centre reuses that centre
     and its segments (multi-turn chat over a cached document is not re-indexed)."""
@@ -57,39 +61,47 @@ class MagicPigConfig:
     # --- observability ---
     log_stats_interval: int = 200
     """Log the counters every N engine steps (0 = never)."""
-    # --- evaluation only ---
     decode_method: str = "magicpig"
-    """Evaluation only: 'exact', and the 'topk' / 'quest' baselines at ``budget_fraction``
-    of the indexed keys, run in the same decode path as MAGICPIG."""
-    budget_fraction: float = 0.04
-    """Evaluation only: the key budget of the 'topk' and 'quest' baselines."""
-    quest_page_size: int = 16
-    """Evaluation only: page size of the 'quest' baseline."""
+    """'magicpig', or 'exact' (every decode on the platform kernel); extensions add more
+    (the accuracy harness's 'topk' and 'quest' baselines)."""
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Values given for the keys extensions registered, as (key, value) pairs."""
 
     def resolved_dense_layers(self, num_layers: int) -> frozenset[int]:
         if self.dense_layers is None:
             return frozenset({0, num_layers // 2})
         return frozenset(self.dense_layers)
 
+    def option(self, key: str) -> Any:
+        """The value of an extension's key (its default when not given)."""
+        given = dict(self.extra)
+        return given[key] if key in given else extensions.CONFIG_KEYS[key].default
+
+    def options(self) -> dict[str, Any]:
+        """Every extension key's value."""
+        return {key: self.option(key) for key in sorted(extensions.CONFIG_KEYS)}
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as ``additional_config["magicpig"]`` would spell it."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update(self.options())
+        return out
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(MagicPigConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(MagicPigConfig) if f.name != "extra"}
 
 # (low, high) inclusive; None = unbounded.
 _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
-    "K": (1, 16),
-    "L": (2, 1024),
+    "K": K_RANGE,
+    "L": L_RANGE,
     "sink_tokens": (0, None),
     "local_window": (0, None),
     "min_sparse_context": (0, None),
-    "segment_tokens": (16, 32768),
-    "max_segment_tokens": (16, 32768),
+    "segment_tokens": (16, MAX_SEGMENT_TOKENS),
+    "max_segment_tokens": (16, MAX_SEGMENT_TOKENS),
     "index_memory_mb": (1, None),
     "seed": (0, 2**63 - 1),
     "log_stats_interval": (0, None),
-    "quest_page_size": (1, 4096),
 }
 
 
@@ -99,13 +111,14 @@ def _range_text(lo: int | None, hi: int | None) -> str:
     return f"{lo}..{hi}"
 
 
-def _check_int(key: str, value: Any) -> int:
+def check_int(key: str, value: Any, bounds: tuple[int | None, int | None] | None = None) -> int:
+    """``value`` as an int in ``bounds`` (default: the key's own range), or an error naming both."""
     # bool is an int subclass; `"K": true` is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise MagicPigConfigError(
             f"magicpig config: {key!r} must be an integer, got {value!r} ({type(value).__name__})"
         )
-    lo, hi = _INT_RANGES[key]
+    lo, hi = bounds if bounds is not None else _INT_RANGES[key]
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise MagicPigConfigError(
             f"magicpig config: {key!r}={value} is out of range; allowed: {_range_text(lo, hi)}"
@@ -113,8 +126,29 @@ def _check_int(key: str, value: Any) -> int:
     return value
 
 
+def check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise MagicPigConfigError(
+            f"magicpig config: {key!r}={value!r} is not supported; allowed: {', '.join(allowed)}"
+        )
+    return value
+
+
+def centerings() -> tuple[str, ...]:
+    """The values the config key ``centering`` accepts."""
+    extensions.load()
+    return decode_methods.configurable_centrings()
+
+
+def decode_method_names() -> tuple[str, ...]:
+    """The values the config key ``decode_method`` accepts."""
+    extensions.load()
+    return decode_methods.configurable_methods()
+
+
 def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
     """Parse and validate ``additional_config`` (the whole dict vLLM hands over)."""
+    extensions.load()
     raw: Any = (additional_config or {}).get(CONFIG_KEY, {})
     if raw is None:
         raw = {}
@@ -123,16 +157,27 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             f'additional_config["{CONFIG_KEY}"] must be a JSON object such as '
             f'{{"K": 10, "L": 150}}, got {raw!r}'
         )
-    unknown = sorted(set(raw) - set(_FIELDS))
+    both = sorted(k for k in ALIASES if k in raw and ALIASES[k] in raw)
+    if both:
+        raise MagicPigConfigError(
+            f"magicpig config: give {both[0]!r} or {ALIASES[both[0]]!r}, not both (they are one key)"
+        )
+    raw = {ALIASES.get(k, k): v for k, v in raw.items()}
+    ext_keys = extensions.CONFIG_KEYS
+    known = set(_FIELDS) | set(ext_keys)
+    unknown = sorted(set(raw) - known)
     if unknown:
         raise MagicPigConfigError(
             f"magicpig config: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"allowed keys: {', '.join(sorted(_FIELDS))}"
+            f"allowed keys: {', '.join(sorted(known))}"
         )
     values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in _INT_RANGES:
-            values[key] = _check_int(key, value)
+        if key in ext_keys:
+            extra[key] = ext_keys[key].parse(value)
+        elif key in _INT_RANGES:
+            values[key] = check_int(key, value)
         elif key == "dense_layers":
             if value is None:
                 values[key] = None
@@ -150,25 +195,14 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
                 layers.append(v)
             values[key] = tuple(sorted(set(layers)))
         elif key in ("centering", "decode_method"):
-            allowed = CENTERINGS if key == "centering" else DECODE_METHODS
-            if value not in allowed:
-                raise MagicPigConfigError(
-                    f"magicpig config: {key!r}={value!r} is not supported; allowed: {', '.join(allowed)}"
-                )
-            values[key] = value
+            values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
         elif key == "inherit_centre":
             if not isinstance(value, bool):
                 raise MagicPigConfigError(f"magicpig config: 'inherit_centre' must be true or false, got {value!r}")
             values[key] = value
-        elif key == "budget_fraction":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise MagicPigConfigError(
-                    f"magicpig config: 'budget_fraction'={value!r} is out of range; allowed: a number in (0, 1]"
-                )
-            values[key] = float(value)
         else:  # pragma: no cover - every field is handled above
             raise AssertionError(key)
-    cfg = MagicPigConfig(**values)
+    cfg = MagicPigConfig(**values, extra=tuple(sorted(extra.items())))
     if cfg.max_segment_tokens < cfg.segment_tokens:
         raise MagicPigConfigError(
             f"magicpig config: 'max_segment_tokens'={cfg.max_segment_tokens} must be >= "

@@ -18,20 +18,27 @@ so everything here is keyed by KV block ids:
 * The store is capped (``index_memory_mb``); least recently used segments go first.
   A request whose segments cannot be held is attended exactly (stats: ``evicted``).
 
-One ``IndexStore`` per worker process holds every layer's entries, so the block
-bookkeeping runs once per step, not once per layer.
+The store owns the whole segment life cycle (:meth:`IndexStore.get_or_build`: find, grow by
+merging, replace; :meth:`IndexStore.reserve`: evict, or refuse so the caller serves the
+request exactly). How a segment is built from the KV cache is the caller's (a callback), so
+the store is device-agnostic.
+
+One ``IndexStore`` per worker runtime holds every layer's entries, so the block bookkeeping
+runs once per step, not once per layer.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
-from vllm_magicpig import kernel
-from vllm_magicpig.stats import STATS
+from vllm_magicpig.stats import Stats
 
 SegmentKey = tuple  # (cid, start_token, size, block_ids tuple)
+Segment = Any  # an ops-level segment: has index_bytes and mirror_bytes
 
 
 @dataclass(frozen=True)
@@ -45,13 +52,30 @@ class CentreSpec:
 
 
 @dataclass
+class SegmentRef:
+    """A planned segment: ``key`` = (cid, start, size, blocks); tokens [first_token, start + size)
+    are indexed (the first segment of a request skips the sinks)."""
+
+    key: SegmentKey
+    first_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        _, start, size, _ = self.key
+        return start + size - self.first_token
+
+
+@dataclass
 class _CentreEntry:
     blocks: tuple[int, ...]  # the block run this entry is found under
     spec: CentreSpec  # the centre it resolves to (an inherited entry points to an older spec)
 
 
 class IndexStore:
-    def __init__(self) -> None:
+    def __init__(self, stats: Stats, grow_step: int) -> None:
+        """``grow_step``: the tokens a growing segment gains at a time (``segment_tokens``)."""
+        self.stats = stats
+        self.grow_step = grow_step
         self.step = 0
         self._next_cid = 1
         # centre entries, found by the first block of the run
@@ -59,7 +83,7 @@ class IndexStore:
         self._centre_specs: dict[int, CentreSpec] = {}
         self._centre_tensors: dict[tuple[str, int], torch.Tensor] = {}
         # segments: (layer, key) -> Segment, in LRU order
-        self._segments: OrderedDict[tuple[str, SegmentKey], kernel.Segment] = OrderedDict()
+        self._segments: OrderedDict[tuple[str, SegmentKey], Segment] = OrderedDict()
         self._last_used: dict[tuple[str, SegmentKey], int] = {}
         self._keys_by_cid: dict[int, set[SegmentKey]] = defaultdict(set)
         self._layers_by_key: dict[SegmentKey, set[str]] = defaultdict(set)
@@ -86,24 +110,25 @@ class IndexStore:
         self._next_cid += 1
         self._centre_specs[spec.cid] = spec
         self._add_centre_entry(blocks, spec)
-        STATS.index["centres_computed"] += 1
+        self.stats.index["centres_computed"] += 1
         return spec
 
     def inherit_centre(self, blocks: tuple[int, ...], spec: CentreSpec) -> None:
         """Register ``spec`` (a prefix's centre) under a longer prompt's blocks too."""
         self._add_centre_entry(blocks, spec)
-        STATS.index["centres_inherited"] += 1
+        self.stats.index["centres_inherited"] += 1
 
     def _add_centre_entry(self, blocks: tuple[int, ...], spec: CentreSpec) -> None:
         self._centres_by_first[blocks[0]].append(_CentreEntry(blocks, spec))
         for b in blocks:
             self._block_centres[b].add(spec.cid)
 
-    def centre_tensor(self, layer: str, cid: int) -> torch.Tensor | None:
-        return self._centre_tensors.get((layer, cid))
-
-    def put_centre_tensor(self, layer: str, cid: int, c: torch.Tensor) -> None:
-        self._centre_tensors[(layer, cid)] = c
+    def centre(self, layer: str, spec: CentreSpec, compute: Callable[[CentreSpec], torch.Tensor]) -> torch.Tensor:
+        """The layer's centre tensor of ``spec``, computed on first need."""
+        c = self._centre_tensors.get((layer, spec.cid))
+        if c is None:
+            c = self._centre_tensors[(layer, spec.cid)] = compute(spec)
+        return c
 
     def _drop_centre(self, cid: int) -> None:
         spec = self._centre_specs.pop(cid, None)
@@ -127,10 +152,62 @@ class IndexStore:
             del self._centre_tensors[key]
         for key in list(self._keys_by_cid.pop(cid, ())):
             self._drop_key_everywhere(key)
-        STATS.index["centres_invalidated"] += 1
+        self.stats.index["centres_invalidated"] += 1
+
+    # ------------------------------------------------------------------ segment life cycle
+    def get_or_build(self, layer: str, ref: SegmentRef, build: Callable[[SegmentRef], Segment],
+                     merge: Callable[[Sequence[Segment]], Segment]) -> Segment:
+        """The layer's segment for ``ref``: found; else the longest held segment with the same
+        centre and start, grown by indexing only the new tokens and merging (no re-hashing);
+        else built whole. A grown base is dropped unless another request used it this step."""
+        seg = self.get_segment(layer, ref.key)
+        if seg is not None:
+            return seg
+        cid, start, size, blocks = ref.key
+        block_size = size // len(blocks)
+        for shorter in range(size - self.grow_step, 0, -self.grow_step):
+            base_key = (cid, start, shorter, blocks[: shorter // block_size])
+            base = self.peek_segment(layer, base_key)
+            if base is None:
+                continue
+            rest = self._build(build, SegmentRef((cid, start + shorter, size - shorter,
+                                                  blocks[shorter // block_size :]), start + shorter))
+            t0 = time.perf_counter()
+            seg = merge([base, rest])
+            self.stats.build_seconds += time.perf_counter() - t0
+            self.stats.index["segments_merged"] += 1
+            if not self.used_this_step(layer, base_key):  # nobody else reads it now
+                self.drop_segment(layer, base_key)
+            self.put_segment(layer, ref.key, seg)
+            return seg
+        seg = self._build(build, ref)
+        self.put_segment(layer, ref.key, seg)
+        return seg
+
+    def _build(self, build: Callable[[SegmentRef], Segment], ref: SegmentRef) -> Segment:
+        t0 = time.perf_counter()
+        seg = build(ref)
+        self.stats.build_seconds += time.perf_counter() - t0
+        self.stats.index["segments_built"] += 1
+        self.stats.index["tokens_indexed"] += ref.num_tokens
+        return seg
+
+    def reserve(self, layer: str, refs: Sequence[SegmentRef], cap_bytes: int) -> bool:
+        """Fit the store under ``cap_bytes`` by evicting least recently used segments that this
+        step does not use. When that is not enough, drop ``refs``' segments of this layer and
+        return False: the caller serves that request exactly (they are rebuilt when there is room)."""
+        if self.enforce_cap(cap_bytes):
+            return True
+        for ref in refs:
+            self.drop_segment(layer, ref.key)
+        return False
+
+    def begin_step(self) -> None:
+        """A new engine step: "used this step" starts afresh."""
+        self.step += 1
 
     # ------------------------------------------------------------------ segments
-    def get_segment(self, layer: str, key: SegmentKey) -> kernel.Segment | None:
+    def get_segment(self, layer: str, key: SegmentKey) -> Segment | None:
         k = (layer, key)
         seg = self._segments.get(k)
         if seg is not None:
@@ -138,14 +215,14 @@ class IndexStore:
             self._last_used[k] = self.step
         return seg
 
-    def peek_segment(self, layer: str, key: SegmentKey) -> kernel.Segment | None:
+    def peek_segment(self, layer: str, key: SegmentKey) -> Segment | None:
         """Like get_segment, without counting as a use."""
         return self._segments.get((layer, key))
 
     def used_this_step(self, layer: str, key: SegmentKey) -> bool:
         return self._last_used.get((layer, key)) == self.step
 
-    def put_segment(self, layer: str, key: SegmentKey, seg: kernel.Segment) -> None:
+    def put_segment(self, layer: str, key: SegmentKey, seg: Segment) -> None:
         k = (layer, key)
         self._segments[k] = seg
         self._last_used[k] = self.step
@@ -189,7 +266,7 @@ class IndexStore:
             if self._last_used.get(k) == self.step:
                 return False  # everything left is in use right now
             self.drop_segment(*k)
-            STATS.index["segments_evicted"] += 1
+            self.stats.index["segments_evicted"] += 1
         return self.index_bytes + self.mirror_bytes <= cap_bytes
 
     # ------------------------------------------------------------------ life cycle
@@ -200,16 +277,16 @@ class IndexStore:
                 self._drop_centre(cid)
             for key in list(self._block_segments.get(b, ())):
                 self._drop_key_everywhere(key)
-                STATS.index["segments_invalidated"] += 1
+                self.stats.index["segments_invalidated"] += 1
 
     def _publish(self) -> None:
-        STATS.index_bytes = self.index_bytes
-        STATS.mirror_bytes = self.mirror_bytes
-        STATS.index["segments_live"] = len(self._segments)
+        self.stats.index_bytes = self.index_bytes
+        self.stats.mirror_bytes = self.mirror_bytes
+        self.stats.index["segments_live"] = len(self._segments)
 
     def clear(self) -> None:
-        self.__init__()
+        self.__init__(self.stats, self.grow_step)
         self._publish()
 
-
-STORE = IndexStore()
+    def __len__(self) -> int:
+        return len(self._segments)

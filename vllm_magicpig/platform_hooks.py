@@ -8,10 +8,10 @@
    backend on CPU" and silently runs CPU_ATTN.
 4. The platform's start-up config check also validates the MAGICPIG config and the
    model, so a bad config fails in the front end with a clear message, not mid-serve.
-5. The worker wrapper gains ``magicpig_stats``, ``magicpig_reset_stats``,
-   ``magicpig_clear_index``, ``magicpig_set_decode_method``, ``magicpig_set_eval`` and the
-   evaluation-only ``magicpig_calibration`` / ``magicpig_clear_calibration`` for
-   ``LLM.collective_rpc`` (named methods need no insecure serialization).
+5. The worker wrapper gains ``magicpig_stats``, ``magicpig_reset_stats`` and
+   ``magicpig_clear_index``, plus the RPCs extensions registered (the accuracy harness's
+   ``magicpig_set_eval`` ...), for ``LLM.collective_rpc`` (named methods need no insecure
+   serialization). Each acts on the worker's runtime (``runtime.current()``).
 """
 from __future__ import annotations
 
@@ -130,29 +130,39 @@ def _patch_other_platform() -> None:
 def _patch_worker_rpc() -> None:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    if getattr(WorkerWrapperBase, "magicpig_stats", None) is not None:
-        return
-    from vllm_magicpig import control
-    from vllm_magicpig.stats import STATS
+    from vllm_magicpig import extensions
 
-    WorkerWrapperBase.magicpig_stats = lambda self: STATS.snapshot()
-    WorkerWrapperBase.magicpig_reset_stats = lambda self: STATS.reset()
-    WorkerWrapperBase.magicpig_set_decode_method = lambda self, method: control.set_decode_method(method)
-    WorkerWrapperBase.magicpig_set_eval = lambda self, **kw: control.set_eval(**kw)
-    WorkerWrapperBase.magicpig_clear_index = lambda self: _clear_index()
-    WorkerWrapperBase.magicpig_calibration = lambda self: _calibration(clear=False)
-    WorkerWrapperBase.magicpig_clear_calibration = lambda self: _calibration(clear=True)
+    extensions.load()
+    rpcs = {"magicpig_stats": _stats, "magicpig_reset_stats": _reset_stats, "magicpig_clear_index": _clear_index}
+    rpcs.update(extensions.WORKER_RPCS)
+    for name, fn in rpcs.items():
+        if getattr(WorkerWrapperBase, name, None) is None:
+            setattr(WorkerWrapperBase, name, _worker_method(fn))
 
 
-def _calibration(clear: bool) -> dict:
-    from vllm_magicpig import centring
+def _worker_method(fn):
+    """A worker-wrapper method calling ``fn(runtime, ...)`` on this worker's runtime."""
 
-    if clear:
-        centring.clear_calibration()
-    return centring.calibration_summary()
+    def method(self, *args, **kwargs):
+        from vllm_magicpig import runtime
+
+        return fn(runtime.current(), *args, **kwargs)
+
+    method.__name__ = fn.__name__
+    return method
 
 
-def _clear_index() -> None:
-    from vllm_magicpig.index import STORE
+def _stats(rt) -> dict:
+    from vllm_magicpig.stats import empty_snapshot
 
-    STORE.clear()
+    return rt.stats.snapshot() if rt is not None else empty_snapshot()
+
+
+def _reset_stats(rt) -> None:
+    if rt is not None:
+        rt.stats.reset()
+
+
+def _clear_index(rt) -> None:
+    if rt is not None:
+        rt.clear_index()

@@ -1,15 +1,20 @@
 """Start-up checks: a bad config or a model MAGICPIG cannot serve fails here.
 
-Runs inside the CPU platform's ``check_and_update_config`` (see platform_hooks), i.e.
-while the front end builds ``VllmConfig``: ``LLM(...)`` raises and ``vllm serve``
-exits before any weights load, instead of failing mid-serve.
+Runs inside the platform's ``check_and_update_config`` (see platform_hooks), i.e. while the
+front end builds ``VllmConfig``: ``LLM(...)`` raises and ``vllm serve`` exits before any
+weights load, instead of failing mid-serve.
+
+The feature checks come from the backend's own declarations (vLLM's
+``AttentionBackend.validate_configuration`` over ``MagicPigBackend``'s ``supports_*``), so
+what the selector accepts and what start-up accepts cannot drift. Only what vLLM's
+declarations cannot express is checked by hand here: ALiBi, the model's runner type, and
+speculative decoding.
 """
 from __future__ import annotations
 
 from vllm_magicpig.config import MagicPigConfig, MagicPigConfigError, parse_config, validate_for_model
+from vllm_magicpig.limits import SUPPORTED_HEAD_SIZES
 
-# head_dim the kernel supports (its vector loops step 16 lanes; 64 and 128 are tested).
-SUPPORTED_HEAD_SIZES = (64, 128)
 _FALLBACK = "run this model without --attention-backend MAGICPIG"
 
 
@@ -22,27 +27,44 @@ def check_vllm_config(vllm_config) -> MagicPigConfig:
     model = vllm_config.model_config
     if model is None:  # config built without a model (some unit paths)
         return cfg
+    cache = vllm_config.cache_config
 
-    if getattr(model, "use_mla", False):
-        _fail("the model uses MLA (latent attention)", _FALLBACK)
-    if model.get_sliding_window() is not None:
-        _fail("the model uses sliding-window attention", _FALLBACK)
+    # What vLLM's backend declarations cannot express.
     if model.uses_alibi:
         _fail("the model uses ALiBi position biases", _FALLBACK)
-    hf = model.hf_text_config
-    if getattr(hf, "sinks", None) is not None or "GptOss" in " ".join(model.architectures or []):
-        _fail("the model uses learned attention sinks", _FALLBACK)
     if model.is_encoder_decoder or getattr(model, "runner_type", "generate") != "generate":
         _fail("only decoder-only generative models with causal attention are supported", _FALLBACK)
-    if str(model.dtype).replace("torch.", "") not in ("bfloat16", "float16"):
-        _fail(f"model dtype {model.dtype} (the kernel reads bf16/fp16 KV)", "pass --dtype bfloat16")
-    head = model.get_head_size()
-    if head not in SUPPORTED_HEAD_SIZES:
-        _fail(f"head_dim {head} (supported: {', '.join(map(str, SUPPORTED_HEAD_SIZES))})", _FALLBACK)
 
-    cache = vllm_config.cache_config
-    if str(cache.cache_dtype) not in ("auto", "bfloat16", "float16"):
-        _fail(f"KV cache dtype {cache.cache_dtype!r}", "drop --kv-cache-dtype (use 'auto')")
+    # Everything else: the backend's declarations, most fundamental first.
+    from vllm.v1.attention.backend import AttentionType
+
+    from vllm_magicpig.backend import MagicPigBackend
+
+    hf = model.hf_text_config
+    has_sink = getattr(hf, "sinks", None) is not None or "GptOss" in " ".join(model.architectures or [])
+    head = model.get_head_size()
+    reasons = MagicPigBackend.validate_configuration(
+        head_size=head, dtype=model.dtype, kv_cache_dtype=cache.cache_dtype, block_size=None,
+        use_mla=bool(getattr(model, "use_mla", False)), has_sink=has_sink, use_sparse=False,
+        use_mm_prefix=False, use_per_head_quant_scales=False, device_capability=None,
+        attn_type=AttentionType.DECODER, has_sliding_window=model.get_sliding_window() is not None,
+    )
+    explained = {
+        "MLA not supported": ("the model uses MLA (latent attention)", _FALLBACK),
+        "sliding window not supported": ("the model uses sliding-window attention", _FALLBACK),
+        "attention sinks not supported": ("the model uses learned attention sinks", _FALLBACK),
+        "dtype not supported": (f"model dtype {model.dtype} (the kernel reads bf16/fp16 KV)",
+                                "pass --dtype bfloat16"),
+        "head_size not supported": (f"head_dim {head} (supported: {', '.join(map(str, SUPPORTED_HEAD_SIZES))})",
+                                    _FALLBACK),
+        "kv_cache_dtype not supported": (f"KV cache dtype {cache.cache_dtype!r}", "drop --kv-cache-dtype (use 'auto')"),
+    }
+    for reason, (what, fix) in explained.items():
+        if reason in reasons:
+            _fail(what, fix)
+    if reasons:  # a declaration this table does not explain yet: still refuse, naming vLLM's reason
+        _fail("; ".join(reasons), _FALLBACK)
+
     if vllm_config.speculative_config is not None:
         _fail("speculative decoding is enabled", "drop --speculative-config")
 

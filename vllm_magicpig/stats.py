@@ -1,9 +1,8 @@
-"""Per-process counters that show what MAGICPIG did.
+"""Counters that show what MAGICPIG did, one ``Stats`` per worker runtime.
 
-Each vLLM worker process has one ``STATS``. Users see it in the log every
-``log_stats_interval`` steps; tests and scripts read it from the workers with
-``llm.collective_rpc("magicpig_stats")`` (the method is added to vLLM's worker
-wrapper by ``register()``).
+Users see them in the log every ``log_stats_interval`` steps; tests and scripts read them from
+the workers with ``llm.collective_rpc("magicpig_stats")`` (the method is added to vLLM's worker
+wrapper by ``register()``). Extensions add their own sections with :meth:`Stats.add_section`.
 
 Units: a "decode" is one (request, layer) decode attention computation, so one
 generated token of a 30-layer model counts 30 decodes.
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict
-from typing import Any
+from typing import Any, Callable
 
 # Why a decode was served exactly. Kept as constants so tests and docs agree.
 EXACT_SHORT_CONTEXT = "short_context"
@@ -25,31 +24,38 @@ EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_ME
 class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # name -> (snapshot, reset): counters owned by an extension, shown beside ours
+        self._sections: dict[str, tuple[Callable[[], dict], Callable[[], None] | None]] = {}
+        self.index_bytes = 0
+        self.mirror_bytes = 0
+        self.index: Counter[str] = Counter()
         self.reset()
 
     def reset(self) -> None:
         """Zero the counters. The index gauges (bytes, live segments) describe what is
         held now, so they survive a reset."""
-        gauges = {k: getattr(self, k, 0) for k in ("index_bytes", "mirror_bytes")}
-        live = getattr(self, "index", Counter()).get("segments_live")
+        live = self.index.get("segments_live")
         self.steps = 0
         self.decode_sparse = 0
         self.decode_exact: Counter[str] = Counter()
-        self.decode_baseline: Counter[str] = Counter()  # evaluation-only methods
+        self.decode_by_method: Counter[str] = Counter()  # sparse decodes by the method that served them
         self.prefill_tokens = 0
         self.prefill_chunks = 0
         self.layer_calls: Counter[str] = Counter()
         # per layer: [sampled keys, candidate keys] summed over query heads
         self.sampled: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        self.index: Counter[str] = Counter()
-        self.index_bytes = 0
-        self.mirror_bytes = 0
-        self.errors: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # eval: rel. error sums
+        self.index = Counter()
         self.build_seconds = 0.0
         self.sparse_seconds = 0.0
-        self.index_bytes, self.mirror_bytes = gauges["index_bytes"], gauges["mirror_bytes"]
         if live is not None:
             self.index["segments_live"] = live
+        for _, reset in self._sections.values():
+            if reset is not None:
+                reset()
+
+    def add_section(self, name: str, snapshot: Callable[[], dict], reset: Callable[[], None] | None = None) -> None:
+        """Merge ``snapshot()``'s keys into every snapshot; ``reset()`` runs with ours."""
+        self._sections[name] = (snapshot, reset)
 
     def count_layer(self, layer_name: str) -> None:
         self.layer_calls[layer_name] += 1
@@ -59,11 +65,6 @@ class Stats:
         s[0] += sampled
         s[1] += candidates
 
-    def add_error(self, layer_name: str, rel_err: float) -> None:
-        e = self.errors[layer_name]
-        e[0] += rel_err
-        e[1] += 1
-
     def sampled_fraction(self) -> float | None:
         tot_s = sum(v[0] for v in self.sampled.values())
         tot_c = sum(v[1] for v in self.sampled.values())
@@ -71,28 +72,26 @@ class Stats:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            per_layer = {
-                name: (v[0] / v[1] if v[1] else None) for name, v in sorted(self.sampled.items())
-            }
-            return {
+            per_layer = {name: (v[0] / v[1] if v[1] else None) for name, v in sorted(self.sampled.items())}
+            out = {
                 "steps": self.steps,
                 "decode_sparse": self.decode_sparse,
                 "decode_exact": dict(self.decode_exact),
-                "decode_baseline": dict(self.decode_baseline),
+                "decode_by_method": dict(self.decode_by_method),
                 "prefill_tokens": self.prefill_tokens,
                 "prefill_chunks": self.prefill_chunks,
                 "layer_calls": dict(self.layer_calls),
                 "sampled_fraction": self.sampled_fraction(),
                 "sampled_fraction_per_layer": per_layer,
                 "index": dict(self.index),
-                "relative_error_per_layer": {
-                    name: v[0] / v[1] for name, v in sorted(self.errors.items()) if v[1]
-                },
                 "index_bytes": self.index_bytes,
                 "mirror_bytes": self.mirror_bytes,
                 "build_seconds": round(self.build_seconds, 4),
                 "sparse_seconds": round(self.sparse_seconds, 4),
             }
+            for snapshot, _ in self._sections.values():
+                out.update(snapshot())
+            return out
 
     def summary_line(self) -> str:
         frac = self.sampled_fraction()
@@ -106,7 +105,9 @@ class Stats:
         )
 
 
-STATS = Stats()
+def empty_snapshot() -> dict[str, Any]:
+    """What a worker without MAGICPIG layers reports."""
+    return Stats().snapshot()
 
 
 def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -116,7 +117,7 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"workers": snaps}
     for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes"):
         out[key] = sum(s[key] for s in snaps)
-    for key in ("decode_exact", "decode_baseline", "index", "layer_calls"):
+    for key in ("decode_exact", "decode_by_method", "index", "layer_calls"):
         c: Counter[str] = Counter()
         for s in snaps:
             c.update(s[key])

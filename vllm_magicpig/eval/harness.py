@@ -6,7 +6,7 @@ attention, TopK and Quest, all through one vLLM engine with the MAGICPIG backend
 
 One prefill serves every method of a prompt: prefix caching stays on and the decode
 method is switched between ``generate`` calls with the evaluation-only RPC
-``magicpig_set_eval`` (see ``vllm_magicpig.control``). Cost = the measured fraction of
+``magicpig_set_eval`` (see ``vllm_magicpig.eval.decode.settings``). Cost = the measured fraction of
 indexed (non-dense) keys attended, read from the worker's counters. TopK and Quest
 run at MAGICPIG (10,150)'s measured cost on the same prompts (matched budget).
 """
@@ -112,7 +112,7 @@ def _run_method(llm, m: Method, settings: dict, prompts: list[str], max_tokens: 
 
 def calibrate(llm, tokenizer, context: int, num_texts: int, log) -> dict:
     """Calibrate the 'global' and 'pre_rope' centrings on generated prose that no task uses
-    (seeds 900+), as long as the longest prompts (see ``vllm_magicpig.centring``)."""
+    (seeds 900+), as long as the longest prompts (see ``vllm_magicpig.eval.decode.centring``)."""
     from vllm import SamplingParams
 
     texts = [T.long_text(context, tokenizer, seed=900 + i) for i in range(num_texts)]
@@ -156,7 +156,7 @@ def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, method_li
                 idx = [i for i, s in enumerate(samples) if s.task == task or T.resolve_task(s.task)[0] == task]
                 sc = [T.score(samples[i].task, preds[i], samples[i].answers) for i in idx]
                 rows.append(Row(m.name, m.family, ctx, task, 100.0 * sum(sc) / max(1, len(sc)), cost, len(sc),
-                                {"decode_sparse": st["decode_sparse"], "decode_baseline": st["decode_baseline"],
+                                {"decode_sparse": st["decode_sparse"], "decode_by_method": st["decode_by_method"],
                                  "decode_exact": st["decode_exact"]}))
             log(f"[{ctx}] {m.name:28s} cost={'n/a' if cost is None else f'{cost:.3%}'} "
                 f"avg={sum(r.score for r in rows[-len(task_names):]) / len(task_names):.1f} "

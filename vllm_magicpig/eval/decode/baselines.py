@@ -1,7 +1,7 @@
 """Evaluation-only decode baselines at a matched key budget: exact TopK and Quest.
 
-They run inside MAGICPIG's decode path (same dense sinks and local window, same
-indexed range), so the accuracy harness compares the selection rules and nothing
+They are decode methods of MAGICPIG's decode path (same dense sinks and local window,
+same indexed range), so the accuracy harness compares the selection rules and nothing
 else. Plain torch, one request at a time: correct, not fast.
 
 * ``topk``: the ``budget_fraction`` of indexed keys with the highest exact q.k (an
@@ -16,8 +16,9 @@ import math
 
 import torch
 
-from vllm_magicpig.eval_attention import grouped_logits, grouped_output
-from vllm_magicpig.stats import STATS
+from vllm_magicpig.decode_methods import DecodeResult
+from vllm_magicpig.eval.decode.grouped import grouped_logits, grouped_output
+from vllm_magicpig.kv_layout import gather, request_blocks
 
 
 def _select(method: str, logits: torch.Tensor, keys: torch.Tensor, q: torch.Tensor, lo: int, hi: int,
@@ -62,31 +63,32 @@ def _select(method: str, logits: torch.Tensor, keys: torch.Tensor, q: torch.Tens
     return mask
 
 
-def forward(state, q: torch.Tensor, kview, vview, plan, out: torch.Tensor) -> None:
-    st = state.settings
-    R, H, D = q.shape
-    bs = kview.shape[1]
-    for r in range(R):
-        s = plan.seq_lens[r]
-        blocks = tuple(plan.block_table[r, : (s + bs - 1) // bs].tolist())
-        keys = state._gather(kview, blocks, 0, s).float()  # [s, Hkv, D]
-        values = state._gather(vview, blocks, 0, s).float()
-        qr = q[r].float()
-        logits = grouped_logits(qr, keys) * state.scale  # [H, s]
-        keep = torch.zeros(H, s, dtype=torch.bool)
-        if r in plan.sparse:
-            lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
-            keep[:, :lo] = True
-            keep[:, hi:] = True
-            budget = math.ceil(st.budget_fraction * (hi - lo))
-            chosen = _select(st.method, logits, keys, qr, lo, hi, budget, st.quest_page_size)
-            keep |= chosen
-            STATS.decode_baseline[st.method] += 1
-            STATS.add_sampled(state.name, int(chosen.sum()), (hi - lo) * H)
-        else:
-            keep[:] = True
-        w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1)  # [H, s]
-        out[r] = grouped_output(w, values).to(out.dtype)
-    plan.count_exact()
-    if st.measure_error and plan.sparse:
-        state.record_error(q, kview, vview, plan, out, list(plan.sparse))
+class BaselineDecode:
+    """``topk`` or ``quest`` at ``budget_fraction`` of each request's indexed keys."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def forward(self, ctx, q: torch.Tensor, kv, plan, out: torch.Tensor) -> DecodeResult:
+        options = ctx.settings.options
+        R, H, D = q.shape
+        result = DecodeResult(served=[])
+        for r in range(R):
+            s = plan.seq_lens[r]
+            blocks = request_blocks(plan.block_table, r, s, kv.block_size)
+            keys = gather(kv.key, blocks, 0, s).float()  # [s, Hkv, D]
+            values = gather(kv.value, blocks, 0, s).float()
+            qr = q[r].float()
+            logits = grouped_logits(qr, keys) * ctx.scale  # [H, s]
+            keep = torch.ones(H, s, dtype=torch.bool)
+            lo, hi = plan.covered_range(r)
+            if hi > lo:
+                keep[:, lo:hi] = False
+                budget = math.ceil(options["budget_fraction"] * (hi - lo))
+                chosen = _select(self.name, logits, keys, qr, lo, hi, budget, options["quest_page_size"])
+                keep |= chosen
+                result.served.append(r)
+                result.sampled += int(chosen.sum())
+            w = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1)  # [H, s]
+            out[r] = grouped_output(w, values).to(out.dtype)
+        return result

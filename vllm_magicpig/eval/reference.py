@@ -104,36 +104,3 @@ def exact_attention(query, keys, values, scale):
     s = scale * torch.einsum("hd,hnd->hn", query.double(), k)
     lse = torch.logsumexp(s, -1)
     return torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v), lse
-
-
-def to_paged(contexts, block_size, spare_blocks=3, generator=None):
-    """Scatter contiguous contexts (a list of (keys, values), each [n_r, Hkv, D]) into one paged
-    cache in vLLM's CPU ("vec") layout with random physical block ids.
-
-    The cache is [num_blocks, Hkv, 2*block_size, D]: per (block, head) the first block_size rows
-    hold K column-major ([D, block_size]), the next block_size rows hold V row-major.  Returns
-    (key_view, value_view, block_table int32 [R, max_blocks], cache), where the views are
-    [num_blocks, block_size, Hkv, D] strided views like the ones the backend passes to the kernel.
-    """
-    hkv, D = contexts[0][0].shape[1:]
-    dtype = contexts[0][0].dtype
-    nblk = [max(1, -(-k.shape[0] // block_size)) for k, _ in contexts]
-    total = sum(nblk) + spare_blocks
-    perm = torch.randperm(total, generator=generator)
-    cache = torch.randn(total, hkv, 2 * block_size, D, generator=generator).to(dtype)  # junk elsewhere
-    bt = torch.zeros(len(contexts), max(nblk), dtype=torch.int32)
-    N = block_size
-    sb, sh = hkv * 2 * N * D, 2 * N * D
-    flat = cache.view(-1)
-    kview = flat.as_strided((total, N, hkv, D), (sb, 1, sh, N))
-    vview = flat.as_strided((total, N, hkv, D), (sb, D, sh, 1), N * D)
-    p = 0
-    for r, (k, v) in enumerate(contexts):
-        for b in range(nblk[r]):
-            phys = int(perm[p]); p += 1
-            bt[r, b] = phys
-            lo, hi = b * N, min(k.shape[0], (b + 1) * N)
-            if hi > lo:
-                kview[phys, : hi - lo] = k[lo:hi]
-                vview[phys, : hi - lo] = v[lo:hi]
-    return kview, vview, bt, cache

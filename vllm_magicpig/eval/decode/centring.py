@@ -11,9 +11,10 @@ harness compares that with three alternatives (``magicpig_set_eval(centering=...
   each key's position. A key's code then depends only on the key and its position,
   never on the request, so codes could be shared by every request holding that token.
 
-``global`` has one centre per request, so it runs in the C++ kernel. ``segment`` and
-``pre_rope`` give every key its own centre, which the kernel's per-request
-``q . c`` correction cannot express; they run in :mod:`vllm_magicpig.per_token_centres`.
+``global`` has one centre per request, so it is a registered centring of the production
+MAGICPIG method (the C++ kernel). ``segment`` and ``pre_rope`` give every key its own centre,
+which the kernel's per-request ``q . c`` correction cannot express; they run in
+:mod:`vllm_magicpig.eval.decode.per_key`.
 
 Calibration: with ``magicpig_set_eval(calibrate=True)`` every decode step adds the
 cached keys of each decode request (positions ``[0, seq_len - 1)``) to per-layer sums.
@@ -25,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm_magicpig.kv_layout import gather, request_blocks
 
 EVAL_CENTERINGS = ("global", "segment", "pre_rope")
 NEEDS_CALIBRATION = ("global", "pre_rope")
@@ -116,36 +119,55 @@ class LayerCalibration:
         return (self.pre_sum / self.pre_count).float()
 
 
-CALIBRATION: dict[str, LayerCalibration] = {}
-MODEL_ROPE: list[Rope | None] = []  # set by the attention layers (one model per worker)
+def calibrate(ev, layer_name: str, keys: torch.Tensor) -> None:
+    """Add one request's keys [n, Hkv, D] (positions 0..n-1) to the layer's calibration."""
+    if layer_name not in ev.calibration:
+        ev.calibration[layer_name] = LayerCalibration(keys.shape[1], keys.shape[2])
+    ev.calibration[layer_name].add(keys, ev.rope)
 
 
-def calibrate(layer_name: str, keys: torch.Tensor, rope: Rope | None) -> None:
-    if layer_name not in CALIBRATION:
-        CALIBRATION[layer_name] = LayerCalibration(keys.shape[1], keys.shape[2])
-    CALIBRATION[layer_name].add(keys, rope)
-
-
-def clear_calibration() -> None:
-    CALIBRATION.clear()
-
-
-def calibration_summary() -> dict:
-    if not CALIBRATION:
+def calibration_summary(ev) -> dict:
+    if not ev.calibration:
         return {"layers": 0, "requests": 0, "positions": 0}
-    any_layer = next(iter(CALIBRATION.values()))
-    return {"layers": len(CALIBRATION), "requests": any_layer.requests,
+    any_layer = next(iter(ev.calibration.values()))
+    return {"layers": len(ev.calibration), "requests": any_layer.requests,
             "positions": int((any_layer.pos_count > 0).sum()),
-            "pre_rope_coherence": {name: c.pre_rope_coherence() for name, c in CALIBRATION.items()}}
+            "pre_rope_coherence": {name: c.pre_rope_coherence() for name, c in ev.calibration.items()}}
 
 
-def check_available(centering: str) -> None:
+def check_available(ev, centering: str) -> None:
     """Raise a ValueError naming the fix when ``centering`` cannot run in this worker."""
-    if centering in NEEDS_CALIBRATION and not CALIBRATION:
+    if centering in NEEDS_CALIBRATION and not ev.calibration:
         raise ValueError(f"centering {centering!r} needs calibration first: "
                          "magicpig_set_eval(calibrate=True), then decode 2 tokens of unrelated long text")
-    if centering == "pre_rope" and MODEL_ROPE and MODEL_ROPE[0] is None:
+    if centering == "pre_rope" and ev.rope is None:
         raise ValueError("centering 'pre_rope' supports default and linear RoPE only; this model has another kind")
+
+
+class CalibrationObserver:
+    """Layer observer: with ``calibrate=True``, every decode request's cached keys (positions
+    [0, seq_len - 1)) are added to the calibration of each sparse layer."""
+
+    def before_decode(self, ctx, kv, plan) -> None:
+        from vllm_magicpig.eval.decode.settings import state
+
+        ev = state(ctx.runtime)
+        if not ev.override.calibrate:
+            return
+        for r, s in enumerate(plan.seq_lens):
+            if s >= 2:
+                blocks = request_blocks(plan.block_table, r, s, kv.block_size)
+                calibrate(ev, ctx.name, gather(kv.key, blocks, 0, s - 1).float())
+
+    def after_decode(self, ctx, query, kv, plan, out, result) -> None:
+        pass
+
+
+def global_centre(ctx, spec, kv) -> torch.Tensor:
+    """The ``global`` centring: the calibration's mean key over the request's indexed positions."""
+    from vllm_magicpig.eval.decode.settings import state
+
+    return state(ctx.runtime).calibration[ctx.name].position_mean(spec.start, spec.end)
 
 
 def piece_bounds(lo: int, hi: int, unit: int) -> list[tuple[int, int]]:
@@ -158,8 +180,7 @@ def piece_bounds(lo: int, hi: int, unit: int) -> list[tuple[int, int]]:
     return out
 
 
-def token_centres(centering: str, layer_name: str, keys: torch.Tensor, lo: int, unit: int,
-                  rope: Rope | None) -> torch.Tensor:
+def token_centres(ev, centering: str, layer_name: str, keys: torch.Tensor, lo: int, unit: int) -> torch.Tensor:
     """float32 [n, Hkv, D]: the centre of each key of ``keys`` (positions lo .. lo+n-1)."""
     n = keys.shape[0]
     if centering == "segment":
@@ -168,13 +189,6 @@ def token_centres(centering: str, layer_name: str, keys: torch.Tensor, lo: int, 
             out[a - lo : b - lo] = keys[a - lo : b - lo].float().mean(0)
         return out
     if centering == "pre_rope":
-        mu = CALIBRATION[layer_name].pre_rope_mean()
-        return rope.rotate(mu.expand(n, *mu.shape), torch.arange(lo, lo + n))
+        mu = ev.calibration[layer_name].pre_rope_mean()
+        return ev.rope.rotate(mu.expand(n, *mu.shape), torch.arange(lo, lo + n))
     raise ValueError(f"centering {centering!r} has one centre per request, not per token")
-
-
-def request_centre(centering: str, layer_name: str, start: int, end: int) -> torch.Tensor:
-    """float32 [Hkv, D] for the per-request centrings that come from calibration."""
-    if centering == "global":
-        return CALIBRATION[layer_name].position_mean(start, end)
-    raise ValueError(f"centering {centering!r} is not calibrated per request")

@@ -1,5 +1,5 @@
-"""Grouped-query attention pieces in torch for the evaluation-only decode paths
-(:mod:`vllm_magicpig.baselines`, :mod:`vllm_magicpig.per_token_centres`).
+"""Grouped-query attention pieces in torch for the evaluation-only decode methods
+(:mod:`.baselines`, :mod:`.per_key`).
 
 They work per KV head group instead of expanding keys and values to every query head,
 which keeps one request's layer at 8K tokens at a few milliseconds on one core.
@@ -27,7 +27,8 @@ def collision_mask(codes: torch.Tensor, query_codes: torch.Tensor) -> torch.Tens
     """bool [H, n]: key i collides with query head h in >= 2 of the L tables.
 
     codes int16 [Hkv, L, n]; query_codes [H, L]. One table at a time with a uint8
-    counter: far cheaper than materialising the [H, L, n] comparison.
+    counter: far cheaper than materialising the [H, L, n] comparison. The counter saturates
+    at 2 (all that matters), so it cannot wrap past 255 at large L.
     """
     hkv, L, n = codes.shape
     H = query_codes.shape[0]
@@ -35,4 +36,5 @@ def collision_mask(codes: torch.Tensor, query_codes: torch.Tensor) -> torch.Tens
     count = torch.zeros(hkv, H // hkv, n, dtype=torch.uint8)
     for t in range(L):
         count += codes[:, None, t, :] == qc[:, :, t, None]
+        count.clamp_(max=2)
     return (count >= 2).view(H, n)

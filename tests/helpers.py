@@ -1,0 +1,56 @@
+"""Test fixtures shared by several test files (kept out of the package)."""
+from __future__ import annotations
+
+import torch
+
+from vllm_magicpig.kv_layout import CpuVecLayout
+
+
+def to_paged(contexts, block_size, spare_blocks=3, generator=None):
+    """Scatter contiguous contexts (a list of (keys, values), each [n_r, Hkv, D]) into one paged
+    cache in vLLM's CPU ("vec") layout, with random physical block ids and junk elsewhere.
+
+    Returns (key_view, value_view, block_table int32 [R, max_blocks], cache); the views are the
+    ``CpuVecLayout`` views the backend passes to the kernel.
+    """
+    hkv, D = contexts[0][0].shape[1:]
+    dtype = contexts[0][0].dtype
+    nblk = [max(1, -(-k.shape[0] // block_size)) for k, _ in contexts]
+    total = sum(nblk) + spare_blocks
+    perm = torch.randperm(total, generator=generator)
+    shape = CpuVecLayout.cache_shape(total, block_size, hkv, D)
+    cache = torch.randn(*shape, generator=generator).to(dtype)
+    views = CpuVecLayout().views(cache)
+    bt = torch.zeros(len(contexts), max(nblk), dtype=torch.int32)
+    p = 0
+    for r, (k, v) in enumerate(contexts):
+        for b in range(nblk[r]):
+            phys = int(perm[p])
+            p += 1
+            bt[r, b] = phys
+            lo, hi = b * block_size, min(k.shape[0], (b + 1) * block_size)
+            if hi > lo:
+                views.key[phys, : hi - lo] = k[lo:hi]
+                views.value[phys, : hi - lo] = v[lo:hi]
+    return views.key, views.value, bt, cache
+
+
+class FakeCam:
+    """The CommonAttentionMetadata fields the planner reads (for planner-only tests; the
+    backend tests build a real CommonAttentionMetadata)."""
+
+    def __init__(self, seq_lens, block_table, slot_mapping=None, num_reqs=None):
+        self.seq_lens = seq_lens
+        self.block_table_tensor = block_table
+        self.slot_mapping = slot_mapping if slot_mapping is not None else torch.empty(0, dtype=torch.int64)
+        self.num_actual_tokens = self.slot_mapping.numel()
+        self.num_reqs = num_reqs if num_reqs is not None else len(seq_lens)
+        self.seq_lens_cpu_upper_bound = seq_lens
+
+
+def make_runtime(cfg=None, num_layers: int = 4):
+    """A fresh worker runtime (index, counters, projections, extension state) for one test."""
+    from vllm_magicpig.config import MagicPigConfig
+    from vllm_magicpig.runtime import MagicPigRuntime
+
+    return MagicPigRuntime(cfg if cfg is not None else MagicPigConfig(), num_layers=num_layers)

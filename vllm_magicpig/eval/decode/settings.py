@@ -1,0 +1,160 @@
+"""Evaluation-only run-time switches of the decode path, and their per-runtime state.
+
+The accuracy harness shares one prefill across methods: it keeps prefix caching on and
+changes how decode attention is computed between ``generate`` calls, through
+``llm.collective_rpc("magicpig_set_eval", kwargs={...})``. Production serving never calls
+this; everything then comes from the config. Changing K, L or the centring clears the
+index, whose segments were hashed with the old settings.
+
+Everything here lives on the worker's runtime (``runtime.extension_state["eval"]``) and
+reaches the decode path only through the hooks of :mod:`vllm_magicpig.extensions`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_magicpig import decode_methods
+from vllm_magicpig.config import MagicPigConfigError, check_int
+from vllm_magicpig.limits import K_RANGE, L_RANGE
+
+STATE_KEY = "eval"
+# Centrings that give each key its own centre: the kernel's one q.c per request cannot
+# express them, so a (request, layer) runs the torch method below instead (``per_key.py``).
+PER_KEY_CENTRINGS = ("segment", "pre_rope")
+PER_KEY_METHOD = "magicpig_per_key"
+BASELINES = ("topk", "quest")
+
+
+def parse_budget_fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise MagicPigConfigError(
+            f"magicpig config: 'budget_fraction'={value!r} is out of range; allowed: a number in (0, 1]"
+        )
+    return float(value)
+
+
+def parse_quest_page_size(value: Any) -> int:
+    return check_int("quest_page_size", value, (1, 4096))
+
+
+@dataclass(frozen=True)
+class EvalOverride:
+    """What ``magicpig_set_eval`` may change; None = the config's value."""
+
+    method: str | None = None
+    K: int | None = None
+    L: int | None = None
+    centering: str | None = None
+    budget_fraction: float | None = None
+    quest_page_size: int | None = None
+    measure_error: bool = False  # record each served request's relative error vs exact attention
+    calibrate: bool = False  # add decode requests' keys to the centring calibration
+
+
+class EvalState:
+    """One runtime's evaluation state: the override, calibration sums, per-key cache, errors."""
+
+    def __init__(self, runtime) -> None:
+        from vllm_magicpig.eval.decode.per_key import PerKeyCache
+
+        self.runtime = runtime
+        self.override = EvalOverride()
+        self.calibration: dict = {}  # layer name -> centring.LayerCalibration
+        self.per_key_cache = PerKeyCache()
+        self.errors: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # layer -> [sum, count]
+        self._rope: Any = "unresolved"
+
+    @property
+    def rope(self):
+        """The model's RoPE (None when its kind is not handled), read from the runtime's model config."""
+        if self._rope == "unresolved":
+            from vllm_magicpig.eval.decode.centring import Rope
+
+            hf = self.runtime.hf_config
+            if hf is None:
+                self._rope = None
+            else:
+                head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+                self._rope = Rope.from_hf_config(hf, head)
+        return self._rope
+
+    def add_error(self, layer_name: str, rel_err: float) -> None:
+        e = self.errors[layer_name]
+        e[0] += rel_err
+        e[1] += 1
+
+    def stats_section(self) -> dict:
+        return {"relative_error_per_layer": {name: v[0] / v[1] for name, v in sorted(self.errors.items()) if v[1]}}
+
+    def reset_stats(self) -> None:
+        self.errors.clear()
+
+
+def state(runtime) -> EvalState:
+    return runtime.extension_state[STATE_KEY]
+
+
+def init_runtime(runtime) -> None:
+    st = runtime.extension_state[STATE_KEY] = EvalState(runtime)
+    runtime.stats.add_section(STATE_KEY, st.stats_section, st.reset_stats)
+
+
+def set_eval(runtime, **kw) -> dict:
+    """Override decode settings (method, K, L, centering, budget_fraction, quest_page_size,
+    measure_error, calibrate); pass nothing to go back to the config. Centering may also be
+    one of the evaluation-only centrings of :mod:`vllm_magicpig.eval.decode.centring`."""
+    if runtime is None:
+        raise RuntimeError("magicpig_set_eval: this worker has no MAGICPIG layer (select --attention-backend MAGICPIG)")
+    allowed = {f.name for f in dataclasses.fields(EvalOverride)}
+    unknown = set(kw) - allowed
+    if unknown:
+        raise ValueError(f"unknown evaluation setting(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    for key, allowed in (("method", decode_methods.configurable_methods()),
+                         ("centering", decode_methods.centring_names() + PER_KEY_CENTRINGS)):
+        if key in kw and kw[key] not in allowed:
+            raise ValueError(f"{key} {kw[key]!r} is not one of {', '.join(allowed)}")
+    try:
+        if "K" in kw:
+            kw["K"] = check_int("K", kw["K"], K_RANGE)
+        if "L" in kw:
+            kw["L"] = check_int("L", kw["L"], L_RANGE)
+        if "budget_fraction" in kw:
+            kw["budget_fraction"] = parse_budget_fraction(kw["budget_fraction"])
+        if "quest_page_size" in kw:
+            kw["quest_page_size"] = parse_quest_page_size(kw["quest_page_size"])
+    except MagicPigConfigError as e:  # the same checks as the config's, reported as a bad call
+        raise ValueError(str(e).replace("magicpig config: ", "evaluation setting ")) from None
+    if "centering" in kw:
+        from vllm_magicpig.eval.decode.centring import check_available
+
+        check_available(state(runtime), kw["centering"])
+    ev = state(runtime)
+    old = ev.override
+    new = EvalOverride(**kw)
+    changes_index = any(getattr(old, k) != getattr(new, k) for k in ("K", "L", "centering"))
+    ev.override = new
+    if changes_index:
+        runtime.clear_index()
+        ev.per_key_cache.clear()
+    return {k: v for k, v in dataclasses.asdict(new).items() if v not in (None, False)}
+
+
+def set_decode_method(runtime, method: str | None) -> dict:
+    return set_eval(runtime, **({} if method is None else {"method": method}))
+
+
+def apply_override(runtime, settings):
+    """The settings hook: the step's settings with the override applied."""
+    ov = state(runtime).override
+    changes: dict[str, Any] = {k: getattr(ov, k) for k in ("method", "K", "L", "centering") if getattr(ov, k) is not None}
+    options = dict(settings.options)
+    for k in ("budget_fraction", "quest_page_size"):
+        if getattr(ov, k) is not None:
+            options[k] = getattr(ov, k)
+    settings = dataclasses.replace(settings, **changes, options=options)
+    if settings.method == decode_methods.MAGICPIG and settings.centering in PER_KEY_CENTRINGS:
+        settings = dataclasses.replace(settings, method=PER_KEY_METHOD)
+    return settings

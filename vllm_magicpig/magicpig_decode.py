@@ -1,0 +1,81 @@
+"""The MAGICPIG decode method, and the production centrings.
+
+For every request planned sparse: its centre and segments come from the index (built from
+the KV cache on first need); then one ops call hashes the queries and one attends every
+decode request of the batch. Requests that are not sampled go through the same call with
+their whole context as the exact part, so they are served exactly; a request whose segments
+do not fit under ``index_memory_mb`` is served that way too (reason ``evicted``).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_magicpig import decode_methods
+from vllm_magicpig.decode_methods import DecodeResult, LayerContext
+from vllm_magicpig.index import CentreSpec, SegmentRef
+from vllm_magicpig.kv_layout import KVViews, gather
+from vllm_magicpig.planner import DecodePlan
+from vllm_magicpig.stats import EXACT_EVICTED
+
+
+def request_centre(ctx: LayerContext, spec: CentreSpec, kv: KVViews) -> torch.Tensor:
+    """The paper's centre: the mean key of the request's prompt between the sinks and the window."""
+    return gather(kv.key, spec.blocks, spec.start, spec.end).to(torch.float32).mean(dim=0).contiguous()
+
+
+def no_centre(ctx: LayerContext, spec: CentreSpec, kv: KVViews) -> torch.Tensor:
+    return torch.zeros(ctx.num_kv_heads, ctx.head_size, dtype=torch.float32)
+
+
+class MagicPigDecode:
+    name = decode_methods.MAGICPIG
+
+    def forward(self, ctx: LayerContext, query: torch.Tensor, kv: KVViews, plan: DecodePlan,
+                out: torch.Tensor) -> DecodeResult:
+        rt, st = ctx.runtime, ctx.settings
+        R, H, D = query.shape
+        index, ops = rt.index, rt.ops
+        centring = decode_methods.get_centring(st.centering)
+        dense = plan.dense_ranges
+        segments: list[list] = [[] for _ in range(R)]
+        centres = torch.zeros(R, ctx.num_kv_heads, 1, D, dtype=torch.float32)
+        result = DecodeResult(served=[])
+
+        def build(centre):
+            def build_ref(ref: SegmentRef):
+                _, start, size, blocks = ref.key
+                lo, hi = ref.first_token - start, size  # offsets inside the block run
+                return ops.build_segment(gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi), centre,
+                                         ctx.projection, st.K, st.L)
+            return build_ref
+
+        for r in plan.sparse:
+            centre = index.centre(ctx.name, plan.centres[r], lambda spec: centring(ctx, spec, kv))
+            refs = plan.segments[r]
+            segs = [index.get_or_build(ctx.name, ref, build(centre), ops.merge_segments) for ref in refs]
+            if not index.reserve(ctx.name, refs, rt.cap_bytes):
+                # Over the memory cap with everything in use: attend the whole context exactly.
+                if dense is plan.dense_ranges:
+                    dense = dense.clone()
+                dense[r, 0, 1] = dense[r, 1, 0] = plan.seq_lens[r]
+                result.exact[r] = EXACT_EVICTED
+                continue
+            segments[r] = segs
+            result.served.append(r)
+            centres[r, :, 0] = centre
+        # q . c for every (request, query head) at once; zero for exact requests
+        qdc = (query.to(torch.float32).view(R, ctx.num_kv_heads, ctx.group, D) * centres).sum(-1).view(R, H)
+        t0 = time.perf_counter()
+        codes = ops.hash_codes(query.reshape(R * H, D), ctx.projection, st.K, st.L).view(R, H, st.L)
+        counts = torch.zeros(R, H, dtype=torch.int64)
+        ops.attend(query, codes, qdc, segments, kv, plan.block_table, dense, ctx.scale, st.K, st.L, out, counts)
+        rt.stats.sparse_seconds += time.perf_counter() - t0
+        result.sampled = int(counts[result.served].sum()) if result.served else 0
+        return result
+
+
+decode_methods.register_method(MagicPigDecode())
+decode_methods.register_centring("request", request_centre)
+decode_methods.register_centring("none", no_centre)

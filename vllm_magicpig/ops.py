@@ -1,0 +1,56 @@
+"""The ops seam between the device-agnostic decode path and a platform's kernels.
+
+The planner, the index and the decode methods call only these four operations, so a new
+platform (the CUDA path's host-side kernel over mirrored pages) is a new implementation of
+:class:`SparseDecodeOps` beside :class:`CpuKernelOps`, not a rewrite of the layers above.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from vllm_magicpig.kv_layout import KVViews
+
+
+class SparseDecodeOps(Protocol):
+    def build_segment(self, keys: torch.Tensor, values: torch.Tensor, centre: torch.Tensor,
+                      projection: torch.Tensor, K: int, L: int) -> Any:
+        """Index keys/values ``[n, Hkv, D]`` centred by ``centre [Hkv, D]``."""
+
+    def merge_segments(self, segments: Sequence[Any]) -> Any:
+        """Concatenate segments in token order without re-hashing."""
+
+    def hash_codes(self, x: torch.Tensor, projection: torch.Tensor, K: int, L: int) -> torch.Tensor:
+        """int32 ``[N, L]`` SimHash codes of rows ``x [N, D]``, bit-identical to a segment build's."""
+
+    def attend(self, query: torch.Tensor, query_codes: torch.Tensor, query_dot_centre: torch.Tensor,
+               segments: list[list[Any]], kv: KVViews, block_table: torch.Tensor, dense_ranges: torch.Tensor,
+               scale: float, K: int, L: int, out: torch.Tensor, sampled_counts: torch.Tensor | None) -> None:
+        """One decode attention call for every request: sampled segments plus exact dense ranges."""
+
+
+class CpuKernelOps:
+    """The C++ kernel (``vllm_magicpig.kernel``) over vLLM's CPU cache."""
+
+    def __init__(self) -> None:
+        from vllm_magicpig import kernel  # the extension loads once a runtime exists
+
+        self._kernel = kernel
+
+    def build_segment(self, keys, values, centre, projection, K, L):
+        return self._kernel.build_segment(keys, values, centre, projection, K, L)
+
+    def merge_segments(self, segments):
+        return self._kernel.merge_segments(segments)
+
+    def hash_codes(self, x, projection, K, L):
+        return self._kernel.hash_codes(x, projection, K, L)
+
+    def attend(self, query, query_codes, query_dot_centre, segments, kv, block_table, dense_ranges, scale, K, L,
+               out, sampled_counts):
+        # The backend built the codes, ranges and block table itself: skip the O(n) value scans.
+        self._kernel.sparse_decode_attention(
+            query, query_codes, query_dot_centre, segments, kv.key, kv.value, block_table=block_table,
+            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, sampled_counts=sampled_counts,
+            check_values=False)

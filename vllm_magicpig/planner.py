@@ -1,0 +1,158 @@
+"""The per-step decode plan, made once per engine step in the metadata builder.
+
+:class:`StepPlanner` notes KV writes (index invalidation), finds or creates each decode
+request's centre, and splits its context into: sinks [0, sink) and the tail
+[covered_end, seq_len) attended exactly, and aligned segments over [sink, covered_end)
+that are LSH-sampled. Every sparse layer then executes the same plan (``layer.py``).
+The planner is device-agnostic: it reads block tables and sequence lengths only.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from vllm_magicpig.config import MagicPigConfig
+from vllm_magicpig.decode_methods import EXACT
+from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef
+from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
+from vllm_magicpig.stats import EXACT_METHOD, EXACT_SHORT_CONTEXT
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one engine step's decode uses: the config, unless an extension overrides it
+    (see ``extensions.register_settings_hook``)."""
+
+    method: str
+    K: int
+    L: int
+    centering: str
+    options: Mapping[str, Any] = field(default_factory=dict)  # method-specific, from extensions
+
+    @classmethod
+    def from_config(cls, cfg: MagicPigConfig) -> "StepSettings":
+        return cls(cfg.decode_method, cfg.K, cfg.L, cfg.centering, cfg.options())
+
+
+def segment_layout(covered_end: int, unit: int, largest: int) -> list[tuple[int, int]]:
+    """Split [0, covered_end) into full segments of ``largest`` tokens and one growing last
+    segment (a multiple of ``unit``).
+
+    Every segment costs L bucket lookups per query head per step, about as much as
+    attending ~``unit`` tokens exactly, so a context is held in as few segments as
+    possible: the last one grows by merging (no re-hashing) as decoding fills blocks.
+    """
+    full = (covered_end // largest) * largest
+    out = [(pos, largest) for pos in range(0, full, largest)]
+    if covered_end > full:
+        out.append((full, covered_end - full))
+    return out
+
+
+@dataclass
+class DecodePlan:
+    settings: StepSettings
+    num_decodes: int
+    block_table: torch.Tensor  # int32 [R, max_blocks]
+    seq_lens: list[int]
+    dense_ranges: torch.Tensor  # int32 [R, 2, 2]: tokens attended exactly, [sink range, tail range]
+    sparse: list[int]  # indices of requests planned sparse
+    centres: dict[int, CentreSpec] = field(default_factory=dict)  # request -> centre
+    segments: dict[int, list[SegmentRef]] = field(default_factory=dict)
+    covered: dict[int, int] = field(default_factory=dict)  # request -> indexed token count
+    exact_reason: dict[int, str] = field(default_factory=dict)  # requests planned exact, and why
+
+    def covered_range(self, r: int) -> tuple[int, int]:
+        """[lo, hi): the LSH-sampled tokens of request r (empty when it is exact)."""
+        if r not in self.sparse:
+            return self.seq_lens[r], self.seq_lens[r]
+        return int(self.dense_ranges[r, 0, 1]), int(self.dense_ranges[r, 1, 0])
+
+
+class StepPlanner:
+    """Layer-independent decisions, made once per engine step in the metadata builder."""
+
+    def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.index = index
+        self.unit = cfg.segment_tokens
+        self.largest = max(self.unit, (min(cfg.max_segment_tokens, MAX_SEGMENT_TOKENS) // self.unit) * self.unit)
+        # last block written by a prefill chunk -> sequence length after it; a decode
+        # right after it is that request's first decode (vLLM gives no request ids).
+        self._prefill_ends: OrderedDict[int, int] = OrderedDict()
+
+    def observe_step(self, cam, num_decodes: int) -> None:
+        """Every step: KV writes invalidate the index; remember where prefills ended."""
+        self.index.begin_step()
+        slots = cam.slot_mapping[: cam.num_actual_tokens]
+        slots = slots[slots >= 0]
+        if slots.numel():
+            written = torch.unique(slots // self.block_size).tolist()
+            self.index.on_blocks_written(written)
+        if cam.num_reqs > num_decodes:
+            seq_lens = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens
+            bt = cam.block_table_tensor
+            for r in range(num_decodes, cam.num_reqs):
+                s = int(seq_lens[r])
+                if s > 0:
+                    self._prefill_ends[int(bt[r, (s - 1) // self.block_size])] = s
+            while len(self._prefill_ends) > 4096:
+                self._prefill_ends.popitem(last=False)
+
+    def plan(self, cam, num_decodes: int, settings: StepSettings) -> DecodePlan:
+        cfg, bs = self.cfg, self.block_size
+        seq_lens = [int(x) for x in cam.seq_lens[:num_decodes].tolist()]
+        block_table = cam.block_table_tensor[:num_decodes]
+        dense = torch.empty(num_decodes, 2, 2, dtype=torch.int32)
+        plan = DecodePlan(settings, num_decodes, block_table, seq_lens, dense, [])
+        for r, s in enumerate(seq_lens):
+            dense[r, 0, 0], dense[r, 0, 1], dense[r, 1, 0], dense[r, 1, 1] = 0, s, s, s
+            if settings.method == EXACT:
+                plan.exact_reason[r] = EXACT_METHOD
+                continue
+            covered_end = ((s - cfg.local_window) // self.unit) * self.unit
+            if s < cfg.min_sparse_context or covered_end <= cfg.sink_tokens:
+                plan.exact_reason[r] = EXACT_SHORT_CONTEXT
+                continue
+            row = block_table[r, : (s + bs - 1) // bs].tolist()
+            spec = self._centre_for(row, s)
+            if spec is None:
+                plan.exact_reason[r] = EXACT_SHORT_CONTEXT
+                continue
+            refs = []
+            for start, size in segment_layout(covered_end, self.unit, self.largest):
+                blocks = tuple(row[start // bs : (start + size) // bs])
+                refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
+            plan.sparse.append(r)
+            plan.centres[r] = spec
+            plan.segments[r] = refs
+            plan.covered[r] = covered_end - cfg.sink_tokens
+            dense[r, 0, 1] = cfg.sink_tokens
+            dense[r, 1, 0] = covered_end
+        return plan
+
+    def _centre_for(self, row: list[int], s: int) -> CentreSpec | None:
+        cfg, bs, index = self.cfg, self.block_size, self.index
+        first_decode = s >= 2 and self._prefill_ends.get(row[(s - 2) // bs]) == s - 1
+        if first_decode:
+            self._prefill_ends.pop(row[(s - 2) // bs], None)
+        found = index.find_centre(row)
+        if found is not None and not first_decode:
+            return found
+        # The centre is the mean of the prompt's keys between the sinks and the local
+        # window, over full blocks only (so it is keyed by immutable blocks).
+        end = ((s - cfg.local_window) // bs) * bs
+        if end <= cfg.sink_tokens:
+            return found
+        blocks = tuple(row[: end // bs])
+        if found is not None:
+            if found.blocks == blocks[: len(found.blocks)] and len(found.blocks) == len(blocks):
+                return found  # same prompt blocks (a prefix-cache hit or a recompute)
+            if cfg.inherit_centre and found.end * 2 >= end:
+                index.inherit_centre(blocks, found)
+                return found
+        return index.new_centre(blocks, cfg.sink_tokens, end)

@@ -1,0 +1,95 @@
+"""One MAGICPIG runtime per worker: the parsed config, the index, the counters, the SimHash
+projections, the ops and the KV layout, in one object instead of module singletons.
+
+The metadata builder attaches it (:func:`attach`, once per ``VllmConfig``: every builder of a
+worker shares it) and hands it to the layers on the step's metadata; the worker RPCs find it
+with :func:`current`. Tests create a fresh one per case.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from vllm_magicpig import extensions
+from vllm_magicpig.config import MagicPigConfig, parse_config
+from vllm_magicpig.index import IndexStore
+from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
+from vllm_magicpig.ops import CpuKernelOps, SparseDecodeOps
+from vllm_magicpig.planner import StepSettings
+from vllm_magicpig.stats import Stats
+
+
+def simhash_projection(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
+    """A seeded Gaussian SimHash projection [D, K*L] (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(head_dim, K * L, generator=g, dtype=torch.float32)
+
+
+class MagicPigRuntime:
+    def __init__(self, cfg: MagicPigConfig, *, num_layers: int, hf_config: Any = None,
+                 ops: SparseDecodeOps | None = None, layout: KVLayout | None = None) -> None:
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self.dense_layers = cfg.resolved_dense_layers(num_layers)
+        self.hf_config = hf_config  # the model's config (extensions read RoPE from it)
+        self.stats = Stats()
+        self.index = IndexStore(self.stats, cfg.segment_tokens)
+        self.ops: SparseDecodeOps = ops if ops is not None else CpuKernelOps()
+        self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
+        self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.extension_state: dict[str, Any] = {}
+        self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
+        extensions.load()
+        for init in extensions.RUNTIME_INITS:
+            init(self)
+
+    def projection(self, head_dim: int, K: int, L: int) -> torch.Tensor:
+        """The shared, seeded Gaussian SimHash projection [D, K*L]: same seed, same codes."""
+        key = (head_dim, K, L)
+        if key not in self._projections:
+            self._projections[key] = simhash_projection(head_dim, K, L, self.cfg.seed)
+        return self._projections[key]
+
+    def step_settings(self) -> StepSettings:
+        """The config's settings, after the extensions' settings hooks."""
+        settings = StepSettings.from_config(self.cfg)
+        for hook in extensions.SETTINGS_HOOKS:
+            settings = hook(self, settings)
+        return settings
+
+    def clear_index(self) -> None:
+        self.index.clear()
+
+
+_lock = threading.Lock()
+_current: MagicPigRuntime | None = None
+_current_source: Any = None
+
+
+def attach(vllm_config) -> MagicPigRuntime:
+    """The worker's runtime for ``vllm_config``, created (and the config parsed) on first use."""
+    global _current, _current_source
+    with _lock:
+        if _current is None or _current_source is not vllm_config:
+            from vllm_magicpig.startup_checks import total_layers
+
+            cfg = parse_config(vllm_config.additional_config)
+            model = vllm_config.model_config
+            _current = MagicPigRuntime(cfg, num_layers=total_layers(model, vllm_config.parallel_config),
+                                       hf_config=model.hf_config)
+            _current_source = vllm_config
+        return _current
+
+
+def current() -> MagicPigRuntime | None:
+    """This worker's runtime, or None when no MAGICPIG layer was built here."""
+    return _current
+
+
+def install(rt: MagicPigRuntime | None, source: Any = None) -> None:
+    """Make ``rt`` this process's runtime (tests; ``source`` is the VllmConfig it belongs to)."""
+    global _current, _current_source
+    with _lock:
+        _current, _current_source = rt, source
