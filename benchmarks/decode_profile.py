@@ -3,8 +3,8 @@ CPU decode kernel on the same paged cache, for SmolLM2's shape (3 KV heads x 3).
 
     python benchmarks/decode_profile.py [--contexts 4096,16384] [--batches 1,4]
 
-MAGICPIG is timed as the backend runs it (``LayerState.forward``: index lookups,
-query hashing, q.c, kernel wrapper, kernel) and split into its parts, so a gap to
+MAGICPIG is timed as the backend runs it (``SparseLayer.begin`` + ``forward``: index
+lookups, query hashing, q.c, kernel wrapper, kernel) and split into its parts, so a gap to
 the end-to-end target can be traced to Python overhead or kernel time. Keys are
 synthetic (a common offset, as real models have, plus noise); the sampled fraction
 is printed next to every time.
@@ -22,9 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_magicpig import kernel  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig  # noqa: E402
-from vllm_magicpig.control import StepSettings  # noqa: E402
-from vllm_magicpig.index import STORE  # noqa: E402
-from vllm_magicpig.sparse_decode import LayerState, StepPlanner  # noqa: E402
+from vllm_magicpig.decode_methods import LayerContext  # noqa: E402
+from vllm_magicpig.layer import SparseLayer  # noqa: E402
+from vllm_magicpig.planner import StepPlanner  # noqa: E402
+from vllm_magicpig.runtime import MagicPigRuntime  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_bench import timeit  # noqa: E402
@@ -37,7 +38,7 @@ def med(fn, reps=30):
     return timeit(fn, reps, warmup=3) * 1e3
 
 
-class _Cam:  # the fields of vLLM's CommonAttentionMetadata the planner reads
+class _Cam:  # the fields of vLLM's CommonAttentionMetadata that StepPlanner.plan reads
     def __init__(self, seq_lens, bt):
         self.seq_lens = seq_lens
         self.block_table_tensor = bt
@@ -80,32 +81,35 @@ def run(ctx: int, batch: int, K: int, L: int):
                                         s_aux=None)
 
     # Each run writes its cache directly, not through vLLM, so nothing invalidates the
-    # previous run's index entries on the same block ids: start from an empty store.
-    STORE.clear()
+    # previous run's index entries on the same block ids: a fresh runtime per run.
     cfg = MagicPigConfig(K=K, L=L)
-    st = LayerState(cfg, "model.layers.3.self_attn.attn", 3, H, HKV, D, D ** -0.5)
-    planner = StepPlanner(cfg, BS)
-    settings = StepSettings("magicpig", K, L, "request", 0.04, 16)
+    rt = MagicPigRuntime(cfg, num_layers=30)
+    layer = SparseLayer(LayerContext("model.layers.3.self_attn.attn", 3, H, HKV, D, D ** -0.5, rt))
+    planner = StepPlanner(cfg, BS, rt.index)
+    settings = rt.step_settings()
     plan = planner.plan(_Cam(seq, bt), batch, settings)
+
+    def layer_step():
+        layer.forward(q, layer.begin(cache, plan), plan, out)
+
     t0 = time.perf_counter()
-    st.forward(q, cache, plan, out)  # builds the index
+    layer_step()  # builds the index
     build_ms = (time.perf_counter() - t0) * 1e3
 
     t_exact = med(exact)
     t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
-    t_layer = med(lambda: st.forward(q, cache, plan, out))
+    t_layer = med(layer_step)
     # parts of the layer path
-    proj = st.proj
+    proj = layer.ctx.projection
     t_hash = med(lambda: kernel.hash_codes(q.reshape(-1, D), proj, K, L))
-    kview, vview = st._views(cache)
-    segs = [[st._segment(ref, st._centre(plan.centres[r], kview), kview, vview) for ref in plan.segments[r]]
-            for r in range(batch)]
+    kv = rt.layout.views(cache)
+    segs = [[rt.index.get_segment(layer.ctx.name, ref.key) for ref in plan.segments[r]] for r in range(batch)]
     codes = kernel.hash_codes(q.reshape(-1, D), proj, K, L).view(batch, H, L)
     qdc = torch.zeros(batch, H)
     cnt = torch.zeros(batch, H, dtype=torch.int64)
-    t_kernel_wrapped = med(lambda: kernel.sparse_decode_attention(q, codes, qdc, segs, kview, vview, bt,
-                                                                  plan.dense_ranges, st.scale, K, L, out,
-                                                                  sampled_counts=cnt))
+    t_kernel_wrapped = med(lambda: kernel.sparse_decode_attention(
+        q, codes, qdc, segs, kv.key, kv.value, block_table=bt, dense_ranges=plan.dense_ranges,
+        scale=layer.ctx.scale, K=K, L=L, out=out, sampled_counts=cnt))
     frac = cnt.double().sum().item() / (sum(plan.covered.values()) * H)
     return dict(context=ctx, batch=batch, exact_ms=t_exact, magicpig_layer_ms=t_layer, plan_ms=t_plan,
                 hash_ms=t_hash, kernel_call_ms=t_kernel_wrapped, python_ms=t_layer - t_kernel_wrapped - t_hash,
