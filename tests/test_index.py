@@ -1,0 +1,134 @@
+"""The index's life cycle on its own: centre lookup and inheritance, invalidation by KV writes,
+growth by merging, and the memory cap. Segments here are stand-ins (objects with byte sizes):
+the index is device-agnostic and never looks inside them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from vllm_magicpig.index import IndexStore, SegmentRef
+from vllm_magicpig.stats import Stats
+
+LAYER, OTHER = "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"
+
+
+@dataclass
+class FakeSegment:
+    """Stand-in for a kernel segment: the store reads only the byte counts."""
+
+    tokens: tuple  # (first, end) token range, to check what merges produce
+    index_bytes: int = 1000
+    mirror_bytes: int = 3000
+
+
+def build(ref: SegmentRef) -> FakeSegment:
+    _, start, size, _ = ref.key
+    return FakeSegment((ref.first_token, start + size))
+
+
+def merge(parts) -> FakeSegment:
+    assert all(a.tokens[1] == b.tokens[0] for a, b in zip(parts, parts[1:])), "merge of non-adjacent parts"
+    return FakeSegment((parts[0].tokens[0], parts[-1].tokens[1]), sum(p.index_bytes for p in parts),
+                       sum(p.mirror_bytes for p in parts))
+
+
+@pytest.fixture
+def store():
+    return IndexStore(Stats(), grow_step=256)
+
+
+def ref(cid: int, start: int, size: int, blocks: tuple, first: int | None = None) -> SegmentRef:
+    return SegmentRef((cid, start, size, blocks), start if first is None else first)
+
+
+# --------------------------------------------------------------------------- centres
+
+
+def test_centre_is_found_by_the_longest_registered_prefix(store):
+    short = store.new_centre((10, 11), 4, 256)
+    long = store.new_centre((10, 11, 12, 13), 4, 512)
+    assert store.find_centre([10, 11, 12, 13, 14]) == long
+    assert store.find_centre([10, 11, 99]) == short
+    assert store.find_centre([11, 10]) is None
+    assert store.find_centre([]) is None
+
+
+def test_inherited_centre_is_found_under_the_longer_prompt(store):
+    spec = store.new_centre((1, 2), 4, 256)
+    store.inherit_centre((1, 2, 3, 4), spec)
+    assert store.find_centre([1, 2, 3, 4, 5]) == spec
+    assert store.stats.index["centres_inherited"] == 1 and store.stats.index["centres_computed"] == 1
+
+
+def test_centre_tensor_is_computed_once_per_layer(store):
+    spec = store.new_centre((1, 2), 4, 256)
+    calls = []
+    for layer in (LAYER, LAYER, OTHER):
+        store.centre(layer, spec, lambda s: calls.append(s) or len(calls))
+    assert len(calls) == 2  # once for each layer
+
+
+# --------------------------------------------------------------------------- segments
+
+
+def test_growth_merges_only_the_new_tokens_and_drops_the_base(store):
+    spec = store.new_centre((1, 2, 3, 4), 4, 512)
+    a = store.get_or_build(LAYER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge)
+    assert a.tokens == (4, 256)
+    store.begin_step()
+    grown = store.get_or_build(LAYER, ref(spec.cid, 0, 512, (1, 2, 3, 4), first=4), build, merge)
+    assert grown.tokens == (4, 512)
+    idx = store.stats.index
+    assert idx["segments_built"] == 2 and idx["segments_merged"] == 1 and idx["tokens_indexed"] == 252 + 256
+    assert store.peek_segment(LAYER, (spec.cid, 0, 256, (1, 2))) is None  # the base is replaced
+    assert len(store) == 1
+
+
+def test_a_base_another_request_used_this_step_is_kept(store):
+    spec = store.new_centre((1, 2, 3, 4), 4, 512)
+    base_ref = ref(spec.cid, 0, 256, (1, 2), first=4)
+    store.get_or_build(LAYER, base_ref, build, merge)  # a request that still needs the short one
+    store.get_or_build(LAYER, ref(spec.cid, 0, 512, (1, 2, 3, 4), first=4), build, merge)
+    assert store.peek_segment(LAYER, base_ref.key) is not None and len(store) == 2
+
+
+def test_kv_write_into_a_block_drops_its_segments_and_centres(store):
+    spec = store.new_centre((1, 2), 4, 256)
+    store.get_or_build(LAYER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge)
+    store.get_or_build(OTHER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge)
+    other = store.new_centre((7, 8), 4, 256)
+    store.get_or_build(LAYER, ref(other.cid, 0, 256, (7, 8), first=4), build, merge)
+    store.on_blocks_written([2])
+    assert store.find_centre([1, 2, 3]) is None
+    assert store.peek_segment(LAYER, (spec.cid, 0, 256, (1, 2))) is None
+    assert store.peek_segment(OTHER, (spec.cid, 0, 256, (1, 2))) is None  # in every layer
+    assert store.find_centre([7, 8]) == other and len(store) == 1  # untouched blocks keep theirs
+    assert store.index_bytes == 1000 and store.mirror_bytes == 3000
+
+
+def test_cap_evicts_least_recently_used_but_never_what_this_step_uses(store):
+    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20, 30)]
+    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20, 30))]
+    store.get_or_build(LAYER, refs[0], build, merge)
+    store.get_or_build(LAYER, refs[1], build, merge)
+    store.begin_step()
+    store.get_or_build(LAYER, refs[1], build, merge)  # used again this step
+    store.get_or_build(LAYER, refs[2], build, merge)
+    assert store.reserve(LAYER, [refs[2]], cap_bytes=8000)  # evicts refs[0] only
+    assert store.peek_segment(LAYER, refs[0].key) is None
+    assert store.stats.index["segments_evicted"] == 1 and len(store) == 2
+    # Both remaining segments are in use now: a cap below them cannot be met by eviction, so the
+    # request's own segments are dropped and the caller serves it exactly.
+    assert not store.reserve(LAYER, [refs[2]], cap_bytes=4000)
+    assert store.peek_segment(LAYER, refs[1].key) is not None  # in use by another request: kept
+    assert store.peek_segment(LAYER, refs[2].key) is None
+    assert store.stats.index["segments_evicted"] == 1
+
+
+def test_clear_keeps_the_counters(store):
+    spec = store.new_centre((1, 2), 4, 256)
+    store.get_or_build(LAYER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge)
+    store.clear()
+    assert len(store) == 0 and store.find_centre([1, 2]) is None
+    assert store.stats.index["segments_built"] == 1 and store.stats.index["segments_live"] == 0
