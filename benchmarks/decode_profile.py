@@ -124,7 +124,8 @@ def main(argv=None):
     ap.add_argument("--L", type=int, default=150)
     a = ap.parse_args(argv)
     print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} K={a.K} L={a.L}")
-    print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | kernel call ms | other python ms | sampled | index build ms |")
+    print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
+          "kernel call ms | other python ms | sampled | index build ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for ctx in [int(x) for x in a.contexts.split(",")]:
         for b in [int(x) for x in a.batches.split(",")]:

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
         f"for its front end: 1 core here). Index MiB = all the worker holds at that point (earlier rows' "
         f"prompts included).",
         "",
-        "| context | batch | CPU_ATTN tok/s | MAGICPIG tok/s | speed-up | sampled fraction | index MiB (tables / K,V mirror) | index build s | prefill s |",
+        "| context | batch | CPU_ATTN tok/s | MAGICPIG tok/s | speed-up | sampled fraction | "
+        "index MiB (tables / K,V mirror) | index build s | prefill s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -3,13 +3,10 @@ estimator against the float64 reference (and the C++ kernel where one centre per
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
-
-from types import SimpleNamespace
-
-from helpers import make_runtime, to_paged
 
 from vllm_magicpig import kernel
 from vllm_magicpig.eval import reference
@@ -18,6 +15,8 @@ from vllm_magicpig.eval.decode import per_key as per_token_centres
 from vllm_magicpig.eval.decode import settings as control
 from vllm_magicpig.ops import CpuKernelOps
 from vllm_magicpig.runtime import simhash_projection as projection
+
+from helpers import make_runtime, to_paged
 
 
 def _rope_complex(x: torch.Tensor, pos: torch.Tensor, theta: float, factor: float = 1.0) -> torch.Tensor:

@@ -10,8 +10,6 @@ import re
 
 import pytest
 
-from helpers import make_runtime
-
 from vllm_magicpig.config import (
     MagicPigConfig,
     MagicPigConfigError,
@@ -21,6 +19,8 @@ from vllm_magicpig.config import (
     validate_for_model,
 )
 from vllm_magicpig.eval.decode import settings as eval_settings
+
+from helpers import make_runtime
 
 CENTERINGS = centerings()
 DECODE_METHODS = decode_method_names()  # production's and the evaluation extension's

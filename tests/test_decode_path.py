@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from helpers import FakeCam, make_runtime
 
 from vllm_magicpig import kernel
 from vllm_magicpig.config import MagicPigConfig
@@ -14,6 +13,8 @@ from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.kv_layout import CpuVecLayout, gather
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.planner import DecodePlan, StepPlanner, StepSettings, segment_layout
+
+from helpers import FakeCam, make_runtime
 
 
 def _vec_cache(num_blocks, hkv, block, d, dtype=torch.bfloat16):

@@ -204,10 +204,11 @@ def test_entry_point():
 
 
 def test_worker_rpc_methods(registered):
-    from helpers import make_runtime
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     from vllm_magicpig import runtime
+
+    from helpers import make_runtime
 
     rt = make_runtime()
     runtime.install(rt)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm_magicpig import decode_methods, extensions
-from vllm_magicpig import magicpig_decode  # noqa: F401  (registers the production method)
+from vllm_magicpig import (
+    decode_methods,
+    extensions,
+    magicpig_decode,  # noqa: F401  (registers the production method)
+)
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
 from vllm_magicpig.kv_layout import KVViews
 from vllm_magicpig.planner import DecodePlan

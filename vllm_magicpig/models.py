@@ -69,9 +69,9 @@ def prepare_smollm2(force: bool = False) -> Path:
         return out
     gguf = find_gguf()
     try:
+        import gguf as _gguf  # noqa: F401  (transformers needs it for GGUF files)
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        import gguf as _gguf  # noqa: F401  (transformers needs it for GGUF files)
     except ImportError as e:
         raise RuntimeError(f"cannot convert the model ({e}); {INSTALL_HINT}") from None
 

