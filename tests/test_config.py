@@ -249,3 +249,17 @@ def test_set_decode_method_rejects_unknown(rt, bad):
     msg = str(ei.value)
     assert repr(bad) in msg and all(m in msg for m in DECODE_METHODS), msg
     assert _effective_method(rt) == "exact"  # a rejected call changes nothing
+
+
+def test_centring_is_an_alias_of_centering():
+    assert _parse(centring="none").centering == "none"
+    assert _parse(centering="none") == _parse(centring="none")
+    _raises(["'centring'", "'centering'", "not both"], centring="none", centering="request")
+    _raises(["'centering'='sideways'", "allowed: request, none"], centring="sideways")
+
+
+def test_extension_keys_keep_their_defaults_and_checks():
+    cfg = _parse(quest_page_size=8)
+    assert cfg.option("quest_page_size") == 8 and cfg.option("budget_fraction") == 0.04
+    assert cfg.as_dict()["quest_page_size"] == 8  # spelled as the user spells it
+    _raises(["'quest_page_size'=0", "allowed: 1..4096"], quest_page_size=0)
