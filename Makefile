@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.magicpig-setup-ok
 
-.PHONY: setup demo test test-fast bench-kernel bench-e2e accuracy-smoke accuracy clean
+.PHONY: setup demo test test-fast lint bench-kernel bench-e2e clean
 
 $(STAMP): setup.sh pyproject.toml setup.py $(wildcard cpp/*.cpp cpp/*.h)
 	./setup.sh
@@ -13,11 +13,16 @@ demo: $(STAMP)
 	$(PY) -m vllm_magicpig.demo
 
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -ra -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 1; fi; exit $$rc
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -ra -q -m "not e2e and not server" tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 1; fi; exit $$rc
+
+# Style at the width the code uses (120): ruff for Python, clang-format for the kernel.
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/clang-format --dry-run --Werror cpp/*.cpp cpp/*.h
 
 bench-kernel: $(STAMP)
 	$(PY) benchmarks/kernel_bench.py

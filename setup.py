@@ -12,6 +12,8 @@ ext = Pybind11Extension(
     "vllm_magicpig._C",
     sorted(glob.glob("cpp/*.cpp")),
     include_dirs=["cpp"],
+    # build_ext does not scan #includes: listing the headers makes a header edit rebuild every file.
+    depends=sorted(glob.glob("cpp/*.h")),
     cxx_std=17,
     extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
     extra_link_args=["-fopenmp"],

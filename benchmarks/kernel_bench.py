@@ -113,15 +113,15 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     cnt = torch.zeros(1, H, dtype=torch.int64)
 
     def mp(force_scalar=False):
-        kx.sparse_decode_attention(q, qcodes, qdc, [segs], kview, vview, bt, ranges, scale, K, L, out, lse, cnt,
+        kx.sparse_decode_attention(q, qcodes, qdc, [segs], kview, vview, block_table=bt, dense_ranges=ranges,
+                                   scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=cnt,
                                    force_scalar=force_scalar)
 
     t_mp = timeit(mp, reps)
-    kx._C.set_profiling(True)  # phase timers (thread-seconds) for the breakdown
-    for _ in range(5):
-        mp()
-    prof = {k: f"{v / 5 * 1e3:.2f}ms" for k, v in kx._C.profile().items()}
-    kx._C.set_profiling(False)
+    with kx.profiling() as phase_s:  # phase timers (thread-seconds) for the breakdown
+        for _ in range(5):
+            mp()
+    prof = {k: f"{v / 5 * 1e3:.2f}ms" for k, v in phase_s.items()}
     t_mp_scalar = timeit(lambda: mp(True), max(3, reps // 4), warmup=1)
     mp()
     sampled_frac = cnt.double().mean().item() / (cov_hi - cov_lo)
@@ -188,12 +188,14 @@ def main():
     ap.add_argument("--L", type=int, default=150)
     ap.add_argument("--sizes", type=str, default=None, help="comma-separated context lengths")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([4096, 16384] if args.quick else [8192, 32768, 131072])
+    default_sizes = [4096, 16384] if args.quick else [8192, 32768, 131072]
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
     reps = 5 if args.quick else 20
     gen = torch.Generator().manual_seed(1234)
     ops = load_vllm()
     bw = copy_bandwidth()
-    print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s K={args.K} L={args.L}")
+    print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s "
+          f"K={args.K} L={args.L}")
     rows = []
     for D, hkv, G in ((64, 3, 3), (128, 8, 4)):
         for n in sizes:
@@ -203,7 +205,8 @@ def main():
 
     print()
     print("| D | Hkv x G | ctx | MagicPIG ms | scalar ms | vLLM exact ms | SDPA ms | speedup vs vLLM | sampled % | "
-          "MP bytes/step | MP GB/s (% copy) | exact GB/s | index B/tok/KVh | mirror B/tok/KVh | build s | rel.err MP / vLLM | ref ms (max diff) |")
+          "MP bytes/step | MP GB/s (% copy) | exact GB/s | index B/tok/KVh | mirror B/tok/KVh | build s | "
+          "rel.err MP / vLLM | ref ms (max diff) |")
     print("|" + "---|" * 17)
     for r in rows:
         base = r.get("t_vllm", r["t_sdpa"])
@@ -212,7 +215,8 @@ def main():
         err = f"{r['mp_err']:.3f} / {r.get('vllm_err', float('nan')):.4f}" if "mp_err" in r else "-"
         refc = f"{r['t_ref'] * 1e3:.0f} ({r['ref_diff']:.1e})" if "t_ref" in r else "-"
         vll = f"{r['t_vllm'] * 1e3:.2f}" if "t_vllm" in r else "n/a"
-        print(f"| {r['D']} | {r['hkv']}x{r['G']} | {r['n'] // 1024}K | {r['t_mp'] * 1e3:.3f} | {r['t_mp_scalar'] * 1e3:.2f} | "
+        print(f"| {r['D']} | {r['hkv']}x{r['G']} | {r['n'] // 1024}K | {r['t_mp'] * 1e3:.3f} | "
+              f"{r['t_mp_scalar'] * 1e3:.2f} | "
               f"{vll} | {r['t_sdpa'] * 1e3:.2f} | {base / r['t_mp']:.1f}x | {100 * r['sampled']:.2f} | "
               f"{r['mp_bytes'] / 1e6:.2f} MB | {gbs:.1f} ({100 * gbs / r['bw']:.0f}%) | {ex_gbs:.1f} | "
               f"{r['index_bpt']:.0f} | {r['mirror_bpt']:.0f} | {r['build']:.2f} | {err} | {refc} |")
@@ -220,7 +224,7 @@ def main():
     print(f"index target <= {1.5 * args.L * 2:.0f} B/tok/KV head; speed targets: 32K >= 8x, 128K >= 15x vs exact")
     missed = [r for r in rows if (r["n"] >= 32768 and r["n"] < 131072 and r.get("t_vllm", r["t_sdpa"]) / r["t_mp"] < 8)
               or (r["n"] >= 131072 and r.get("t_vllm", r["t_sdpa"]) / r["t_mp"] < 15)]
-    if missed and hasattr(kx._C, "profile"):
+    if missed:
         print("\nTime breakdown for configs below target (per step, summed over threads):")
         for r in missed:
             print(f"  D={r['D']} n={r['n']}: {r.get('profile', 'n/a')}")

@@ -1,26 +1,64 @@
 // pybind11 surface of vllm_magicpig._C.  Tensors arrive as data_ptr() integers plus sizes; the
-// Python wrapper (vllm_magicpig/kernel.py) validates everything before calling in.
+// Python wrapper (vllm_magicpig/kernel.py) validates shapes, dtypes and values before calling in.
+// The guards here are only the O(1) ones on the integers, so that a direct caller of _C with a bad
+// size gets a ValueError (std::invalid_argument) rather than an out-of-bounds access.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <atomic>
+#include <algorithm>
+#include <stdexcept>
+#include <string>
 
 #include "common.h"
 
 namespace py = pybind11;
 using namespace mp;
 
-namespace mp {
-extern std::atomic<bool> g_profile;
-extern std::atomic<int64_t> g_prof[4];
-void recover_codes(const Segment& s, int t, uint16_t* codes);
-}
+namespace {
 
 template <typename T>
-static T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+void check_kl(const char* fn, int K, int L) {
+  require(1 <= K && K <= 16, std::string(fn) + ": K must be in 1..16 (codes index a uint16 directory), got " + num(K));
+  require(L >= 2, std::string(fn) + ": L must be >= 2 (a key is sampled on >= 2 collisions), got " + num(L));
+}
+
+// The vector loops step 16 lanes with no tail.
+void check_head_dim(const char* fn, int d) {
+  require(d > 0 && d % 16 == 0, std::string(fn) + ": d must be a positive multiple of 16, got " + num(d));
+}
+
+void check_dtype(const char* fn, int dtype) {
+  require(dtype == BF16 || dtype == FP16,
+          std::string(fn) + ": dtype code must be 0 (bf16) or 1 (fp16), got " + num(dtype));
+}
+
+void check_ptr(const char* fn, const char* name, uintptr_t p) {
+  require(p != 0, std::string(fn) + ": " + name + " is a null pointer");
+}
+
+void check_segment(const char* fn, const Segment* s, int hkv, int d, int K, int L, int dtype) {
+  require(s != nullptr, std::string(fn) + ": segment is None");
+  require(s->hkv == hkv && s->d == d && s->K == K && s->L == L && s->dtype == dtype,
+          std::string(fn) + ": segment (hkv, d, K, L, dtype) = (" + num(s->hkv) + ", " + num(s->d) + ", " + num(s->K) +
+              ", " + num(s->L) + ", " + num(s->dtype) + ") does not match (" + num(hkv) + ", " + num(d) + ", " +
+              num(K) + ", " + num(L) + ", " + num(dtype) + ")");
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "MagicPIG CPU kernel: LSH segments and sparse decode attention";
+  m.attr("MAX_SEGMENT_TOKENS") = kMaxSegmentTokens;
 
   py::class_<Segment, std::shared_ptr<Segment>>(m, "Segment")
       .def_readonly("num_tokens", &Segment::n)
@@ -32,73 +70,162 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("dense_directory", &Segment::dense_dir)
       .def_property_readonly("index_bytes", &Segment::index_bytes)
       .def_property_readonly("mirror_bytes", &Segment::mirror_bytes)
-      .def("codes_into", [](const Segment& s, uintptr_t out) {  // int32 [hkv][L][n]
-        int32_t* o = ptr<int32_t>(out);
-        std::vector<uint16_t> c(s.n);
-        for (int t = 0; t < s.hkv * s.L; ++t) {
-          recover_codes(s, t, c.data());
-          for (int i = 0; i < s.n; ++i) o[static_cast<size_t>(t) * s.n + i] = c[i];
-        }
-      });
+      .def(
+          "codes_into",
+          [](const Segment& s, uintptr_t out) {  // int32 [hkv][L][n]
+            check_ptr("codes_into", "out", out);
+            int32_t* o = ptr<int32_t>(out);
+            std::vector<uint16_t> c(s.n);
+            for (int t = 0; t < s.hkv * s.L; ++t) {
+              recover_codes(s, t, c.data());
+              for (int i = 0; i < s.n; ++i) o[static_cast<size_t>(t) * s.n + i] = c[i];
+            }
+          },
+          py::arg("out"));
 
-  m.def("build_segment",
-        [](uintptr_t k, uintptr_t v, int n, int hkv, int d, int dtype, uintptr_t c, uintptr_t w, int K, int L) {
-          py::gil_scoped_release nogil;
-          return build_segment(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype,
-                               ptr<const float>(c), ptr<const float>(w), K, L);
-        });
+  m.def(
+      "build_segment",
+      [](uintptr_t k, uintptr_t v, int n, int hkv, int d, int dtype, uintptr_t c, uintptr_t w, int K, int L,
+         bool force_scalar) {
+        const char* fn = "build_segment";
+        require(1 <= n && n <= kMaxSegmentTokens,
+                std::string(fn) + ": n must be in 1.." + num(kMaxSegmentTokens) + ", got " + num(n));
+        require(hkv >= 1, std::string(fn) + ": hkv must be >= 1, got " + num(hkv));
+        check_head_dim(fn, d);
+        check_dtype(fn, dtype);
+        check_kl(fn, K, L);
+        check_ptr(fn, "keys", k);
+        check_ptr(fn, "values", v);
+        check_ptr(fn, "centre", c);
+        check_ptr(fn, "w", w);
+        py::gil_scoped_release nogil;
+        return build_segment(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype, ptr<const float>(c),
+                             ptr<const float>(w), K, L, force_scalar);
+      },
+      py::arg("keys"), py::arg("values"), py::arg("n"), py::arg("hkv"), py::arg("d"), py::arg("dtype"),
+      py::arg("centre"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("force_scalar") = false);
 
-  m.def("merge_segments", [](const std::vector<std::shared_ptr<Segment>>& parts) {
-    std::vector<SegmentPtr> cp(parts.begin(), parts.end());
-    py::gil_scoped_release nogil;
-    return merge_segments(cp);
-  });
+  m.def(
+      "merge_segments",
+      [](const std::vector<std::shared_ptr<Segment>>& parts) {
+        require(!parts.empty(), "merge_segments: no segments");
+        const Segment* a = parts[0].get();
+        require(a != nullptr, "merge_segments: segment is None");
+        for (const auto& p : parts) check_segment("merge_segments", p.get(), a->hkv, a->d, a->K, a->L, a->dtype);
+        std::vector<SegmentPtr> cp(parts.begin(), parts.end());
+        py::gil_scoped_release nogil;
+        return merge_segments(cp);  // throws past kMaxSegmentTokens merged tokens
+      },
+      py::arg("parts"));
 
-  m.def("hash_codes", [](uintptr_t x, int N, int d, uintptr_t w, int K, int L, uintptr_t out) {
-    py::gil_scoped_release nogil;
-    std::vector<uint16_t> c(static_cast<size_t>(N) * L);
-    const float* xp = ptr<const float>(x);
-    const int TB = 64, nb = (N + TB - 1) / TB;
+  m.def(
+      "hash_codes",
+      [](uintptr_t x, int N, int d, uintptr_t w, int K, int L, uintptr_t out, bool force_scalar) {
+        const char* fn = "hash_codes";
+        require(N >= 0, std::string(fn) + ": N must be >= 0, got " + num(N));
+        // Any d > 0: hashing has no 16-lane loop over d.
+        require(d > 0, std::string(fn) + ": d must be > 0, got " + num(d));
+        check_kl(fn, K, L);
+        if (N == 0) return;
+        check_ptr(fn, "x", x);
+        check_ptr(fn, "w", w);
+        check_ptr(fn, "out", out);
+        py::gil_scoped_release nogil;
+        std::vector<uint16_t> c(static_cast<size_t>(N) * L);
+        const float* xp = ptr<const float>(x);
+        const int TB = 64, nb = (N + TB - 1) / TB;
 #pragma omp parallel for schedule(dynamic)
-    for (int b = 0; b < nb; ++b)
-      hash_rows(xp + static_cast<size_t>(b) * TB * d, std::min(TB, N - b * TB), d, ptr<const float>(w), K, L,
-                c.data() + static_cast<size_t>(b) * TB * L);
-    int32_t* o = ptr<int32_t>(out);
-    for (size_t i = 0; i < c.size(); ++i) o[i] = c[i];
-  });
+        for (int b = 0; b < nb; ++b)
+          hash_rows(xp + static_cast<size_t>(b) * TB * d, std::min(TB, N - b * TB), d, ptr<const float>(w), K, L,
+                    c.data() + static_cast<size_t>(b) * TB * L, force_scalar);
+        int32_t* o = ptr<int32_t>(out);
+        for (size_t i = 0; i < c.size(); ++i) o[i] = c[i];
+      },
+      py::arg("x"), py::arg("N"), py::arg("d"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("out"),
+      py::arg("force_scalar") = false);
 
-  m.def("sparse_decode",
-        [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, bool q_is_bf16,
-           uintptr_t qcodes, uintptr_t qdc, const std::vector<std::vector<std::shared_ptr<Segment>>>& segs,
-           uintptr_t kc, std::vector<int64_t> ks, uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt,
-           int max_blocks, int block_size, uintptr_t ranges, uintptr_t out, uintptr_t lse, uintptr_t counts,
-           bool force_scalar) {
-          std::vector<std::vector<SegmentPtr>> sg(segs.size());
-          for (size_t r = 0; r < segs.size(); ++r) sg[r].assign(segs[r].begin(), segs[r].end());
-          AttnArgs a{};
-          a.R = R; a.H = H; a.hkv = hkv; a.d = d; a.K = K; a.L = L; a.dtype = dtype; a.scale = scale;
-          a.q = ptr<const float>(q); a.q_is_bf16 = q_is_bf16;
-          a.qcodes = ptr<const int32_t>(qcodes); a.qdc = ptr<const float>(qdc); a.segs = &sg;
-          a.kc = ptr<const uint16_t>(kc); a.vc = ptr<const uint16_t>(vc);
-          for (int i = 0; i < 4; ++i) { a.ks[i] = ks.at(i); a.vs[i] = vs.at(i); }
-          a.block_table = ptr<const int32_t>(bt); a.max_blocks = max_blocks; a.block_size = block_size;
-          a.ranges = ptr<const int32_t>(ranges);
-          a.out = ptr<float>(out); a.lse = ptr<float>(lse); a.counts = ptr<int64_t>(counts);
-          a.force_scalar = force_scalar;
-          py::gil_scoped_release nogil;
-          sparse_decode(a);
-        });
+  m.def(
+      "sparse_decode",
+      [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, bool q_is_bf16,
+         uintptr_t qcodes, uintptr_t qdc, const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc,
+         std::vector<int64_t> ks, uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size,
+         uintptr_t ranges, uintptr_t out, uintptr_t lse, uintptr_t counts, bool force_scalar) {
+        const char* fn = "sparse_decode";
+        require(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
+        require(hkv >= 1 && H % hkv == 0,
+                std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
+        check_head_dim(fn, d);
+        check_kl(fn, K, L);
+        check_dtype(fn, dtype);
+        require(ks.size() == 4 && vs.size() == 4, std::string(fn) + ": cache strides must have 4 entries");
+        require(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
+        require(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
+        require(segs.size() == static_cast<size_t>(R),
+                std::string(fn) + ": segs has " + num(segs.size()) + " entries for R=" + num(R) + " requests");
+        if (R > 0 && H > 0) {  // then these tensors are non-empty; caches and block table may be empty
+          check_ptr(fn, "q", q);
+          check_ptr(fn, "qcodes", qcodes);
+          check_ptr(fn, "qdc", qdc);
+          check_ptr(fn, "ranges", ranges);
+          check_ptr(fn, "out", out);
+        }
+        std::vector<std::vector<SegmentPtr>> sg(segs.size());
+        for (size_t r = 0; r < segs.size(); ++r) {
+          for (const auto& s : segs[r]) check_segment(fn, s.get(), hkv, d, K, L, dtype);
+          sg[r].assign(segs[r].begin(), segs[r].end());
+        }
+        AttnArgs a{};
+        a.R = R;
+        a.H = H;
+        a.hkv = hkv;
+        a.d = d;
+        a.K = K;
+        a.L = L;
+        a.dtype = dtype;
+        a.scale = scale;
+        a.q = ptr<const float>(q);
+        a.q_is_bf16 = q_is_bf16;
+        a.qcodes = ptr<const int32_t>(qcodes);
+        a.qdc = ptr<const float>(qdc);
+        a.segs = &sg;
+        a.kc = ptr<const uint16_t>(kc);
+        a.vc = ptr<const uint16_t>(vc);
+        for (int i = 0; i < 4; ++i) {
+          a.ks[i] = ks[i];
+          a.vs[i] = vs[i];
+        }
+        a.block_table = ptr<const int32_t>(bt);
+        a.max_blocks = max_blocks;
+        a.block_size = block_size;
+        a.ranges = ptr<const int32_t>(ranges);
+        a.out = ptr<float>(out);
+        a.lse = ptr<float>(lse);
+        a.counts = ptr<int64_t>(counts);
+        a.force_scalar = force_scalar;
+        py::gil_scoped_release nogil;
+        sparse_decode(a);
+      },
+      py::arg("R"), py::arg("H"), py::arg("hkv"), py::arg("d"), py::arg("K"), py::arg("L"), py::arg("dtype"),
+      py::arg("scale"), py::arg("q"), py::arg("q_is_bf16"), py::arg("qcodes"), py::arg("qdc"), py::arg("segs"),
+      py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"), py::arg("max_blocks"),
+      py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("lse"), py::arg("counts"),
+      py::arg("force_scalar"));
 
-  m.def("set_profiling", [](bool on) {
-    for (auto& p : g_prof) p = 0;
-    g_profile = on;
-  }, "Turn the phase timers on/off (and zero them).");
-  m.def("profile", []() {  // seconds summed over threads since set_profiling(True)
-    py::dict d;
-    const char* names[4] = {"lookup", "gather_logits", "softmax_v", "merge"};
-    for (int i = 0; i < 4; ++i) d[names[i]] = g_prof[i].load() * 1e-9;
-    return d;
-  });
+  m.def(
+      "set_profiling",
+      [](bool on) {
+        for (auto& p : g_prof) p = 0;
+        g_profile = on;
+      },
+      py::arg("on"), "Turn the phase timers on/off (and zero them).");
+  m.def(
+      "profile",
+      []() {
+        py::dict d;
+        for (int i = 0; i < kNumPhases; ++i) d[kPhaseNames[i]] = g_prof[i].load() * 1e-9;
+        return d;
+      },
+      "Seconds per phase, summed over threads, since set_profiling(True).");
   m.def("active_isa", &active_isa);
   m.def("has_avx512", &cpu_has_avx512);
 }

@@ -1,5 +1,14 @@
 // Shared declarations for the MagicPIG CPU kernel (vllm_magicpig._C).
+//
+// Thread-safety contract:
+// - A Segment is immutable once build_segment / merge_segments return it: any number of
+//   concurrent sparse_decode calls (and merges) may read the same segment through SegmentPtr.
+// - build_segment, merge_segments, hash_rows and sparse_decode only read their inputs and write
+//   their outputs; their per-thread scratch is thread_local, so concurrent calls do not interfere.
+// - The phase timers (g_profile, g_prof) are process-wide: concurrent profiled calls add into the
+//   same counters, and set_profiling from one caller resets them for all.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -7,6 +16,9 @@
 #include <vector>
 
 namespace mp {
+
+// Token ids and bucket offsets (which reach n) inside a segment are uint16.
+constexpr int kMaxSegmentTokens = 32768;
 
 enum DType : int { BF16 = 0, FP16 = 1 };
 
@@ -26,7 +38,10 @@ inline float fp16_to_f(uint16_t h) {
       u = sign;
     } else {  // subnormal: renormalise
       int e = -1;
-      do { man <<= 1; ++e; } while (!(man & 0x400));
+      do {
+        man <<= 1;
+        ++e;
+      } while (!(man & 0x400));
       u = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
     }
   } else if (exp == 31) {
@@ -46,30 +61,47 @@ inline float to_f(uint16_t h, int dtype) { return dtype == BF16 ? bf16_to_f(h) :
 // shared by any number of concurrent kernel calls.
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
-  bool dense_dir = true;           // dense 2^K offset table, else sorted distinct codes
-  std::vector<uint16_t> kmir, vmir;  // [hkv][n][d]
-  std::vector<float> knorm;          // [hkv][n]  |k - c|, fp32
-  std::vector<uint16_t> ids;         // [hkv*L][n] token ids grouped by bucket (ascending inside)
-  std::vector<uint16_t> off;         // dense: [hkv*L][2^K + 1] bucket starts (n <= 32768 fits)
-  std::vector<uint32_t> dir_begin;   // compact: [hkv*L + 1] range into ucode/ustart
+  bool dense_dir = true;                // dense 2^K offset table, else sorted distinct codes
+  std::vector<uint16_t> kmir, vmir;     // [hkv][n][d]
+  std::vector<float> knorm;             // [hkv][n]  |k - c|, fp32
+  std::vector<uint16_t> ids;            // [hkv*L][n] token ids grouped by bucket (ascending inside)
+  std::vector<uint16_t> off;            // dense: [hkv*L][2^K + 1] bucket starts
+  std::vector<uint32_t> dir_begin;      // compact: [hkv*L + 1] range into ucode/ustart
   std::vector<uint16_t> ucode, ustart;  // compact: distinct codes (ascending) and bucket starts
 
-  // [begin, end) into ids[t*n ...] of bucket `code` in table t = kvh*L + l.
-  inline void bucket(int t, uint32_t code, int& b, int& e) const {
+  struct Bucket {
+    int begin, end;  // [begin, end) into table_ids(t)
+  };
+
+  // Token ids of table t = kvh*L + l, grouped by bucket.
+  const uint16_t* table_ids(int t) const { return ids.data() + static_cast<size_t>(t) * n; }
+
+  // Dense directory only: the 2^K + 1 bucket starts of table t.
+  const uint16_t* dense_offsets(int t) const { return off.data() + static_cast<size_t>(t) * ((1u << K) + 1); }
+
+  Bucket bucket(int t, uint32_t code) const {
     if (dense_dir) {
-      const uint16_t* o = off.data() + static_cast<size_t>(t) * ((1u << K) + 1);
-      b = o[code];
-      e = o[code + 1];
-      return;
+      const uint16_t* o = dense_offsets(t);
+      return {o[code], o[code + 1]};
     }
-    uint32_t lo = dir_begin[t], hi = dir_begin[t + 1], end = hi;
+    uint32_t lo = dir_begin[t], hi = dir_begin[t + 1];
+    const uint32_t end = hi;
     while (lo < hi) {  // lower_bound: distinct codes are few, the range stays in cache
-      uint32_t mid = (lo + hi) >> 1;
-      if (ucode[mid] < code) lo = mid + 1; else hi = mid;
+      const uint32_t mid = (lo + hi) >> 1;
+      if (ucode[mid] < code)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
-    if (lo == end || ucode[lo] != code) { b = e = 0; return; }
-    b = ustart[lo];
-    e = (lo + 1 < end) ? ustart[lo + 1] : n;
+    if (lo == end || ucode[lo] != code) return {0, 0};
+    return {ustart[lo], (lo + 1 < end) ? ustart[lo + 1] : n};
+  }
+
+  // Starts the load of what bucket(t, code) reads first.  A dense directory is far larger than the
+  // caches, so that read is a DRAM miss worth overlapping; a compact one is small, binary searched
+  // and stays cached, so there is nothing to prefetch.
+  void prefetch_bucket(int t, uint32_t code) const {
+    if (dense_dir) __builtin_prefetch(dense_offsets(t) + code);
   }
 
   size_t index_bytes() const {
@@ -80,40 +112,57 @@ struct Segment {
 
 using SegmentPtr = std::shared_ptr<const Segment>;
 
+// ---- ISA (isa.cpp) ----
+// The instruction sets a call may run on, slowest to fastest.  Resolved once at the top of each
+// entry point; nothing below the entry point re-detects or re-reads the environment.
+enum class Isa { Scalar, Avx512, Avx512Bf16 };
+bool cpu_has_avx512();  // avx512f+bw+vl+dq (+fma, f16c); false when MAGICPIG_NO_AVX512 is set
+bool cpu_has_avx512bf16();
+// The fastest ISA this CPU runs, or Scalar when force_scalar (or MAGICPIG_NO_AVX512) says so.
+Isa resolve_isa(bool force_scalar);
+const char* isa_name(Isa isa);  // "scalar", "avx512", "avx512_bf16"
+const char* active_isa();       // isa_name(resolve_isa(false))
+
 // ---- hashing (hash.cpp) ----
-// codes[t*L + l] for T float rows x[t*d ..]; w is float [d][K*L].  Picks AVX-512 when present.
-void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes);
-void hash_rows_scalar(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes);
+// codes[t*L + l] for T float rows x[t*d ..]; w is float [d][K*L].  Keys (build) and queries
+// (hash_codes) both come through here.
+void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes, bool force_scalar);
 
 // ---- segment building (segment.cpp) ----
-std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv,
-                                       int d, int dtype, const float* centre, const float* w, int K,
-                                       int L);
+std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
+                                       const float* centre, const float* w, int K, int L, bool force_scalar);
 std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts);
+// Writes the per-token codes of table t (inverse of the bucket sort); used by merge and codes().
+void recover_codes(const Segment& s, int t, uint16_t* codes);
 
-// ---- attention (attention.cpp) ----
+// ---- attention (sparse_decode.cpp) ----
 struct AttnArgs {
-  int R, H, hkv, d, K, L, dtype;
+  int R, H, hkv, d, K, L, dtype;  // R: requests, H: query heads, hkv: KV heads
   float scale;
-  const float* q;        // [R][H][d] fp32
-  bool q_is_bf16;        // q values are exactly bf16 (enables the avx512bf16 dot)
+  const float* q;         // [R][H][d] fp32
+  bool q_is_bf16;         // q values are exactly bf16 (enables the avx512bf16 dot)
   const int32_t* qcodes;  // [R][H][L]
-  const float* qdc;      // [R][H]
+  const float* qdc;       // [R][H]
   const std::vector<std::vector<SegmentPtr>>* segs;
-  const uint16_t* kc; int64_t ks[4];  // paged caches, element strides (block, slot, head, dim)
-  const uint16_t* vc; int64_t vs[4];
-  const int32_t* block_table; int max_blocks, block_size;
+  const uint16_t* kc;  // paged caches, element strides (block, slot, head, dim)
+  int64_t ks[4];
+  const uint16_t* vc;
+  int64_t vs[4];
+  const int32_t* block_table;
+  int max_blocks, block_size;
   const int32_t* ranges;  // [R][2][2]
   float* out;             // [R][H][d] fp32
   float* lse;             // [R][H]
   int64_t* counts;        // [R][H]
   bool force_scalar;
 };
-void sparse_decode(const AttnArgs& a);
+void sparse_decode(const AttnArgs& args);
 
-// ---- ISA (isa.cpp) ----
-bool cpu_has_avx512();      // avx512f+bw+vl+dq (+fma, f16c)
-bool cpu_has_avx512bf16();
-const char* active_isa();
+// ---- phase timers (sparse_decode.cpp) ----
+// Optional, for the benchmark's breakdown: nanoseconds summed over threads per phase.
+enum Phase : int { kPhaseLookup, kPhaseGatherLogits, kPhaseSoftmaxV, kPhaseMerge, kNumPhases };
+inline constexpr const char* kPhaseNames[kNumPhases] = {"lookup", "gather_logits", "softmax_v", "merge"};
+extern std::atomic<bool> g_profile;
+extern std::atomic<int64_t> g_prof[kNumPhases];
 
 }  // namespace mp

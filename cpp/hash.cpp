@@ -1,45 +1,17 @@
-// SimHash codes and run-time ISA detection.
+// SimHash codes: the sign bits of x . w, packed K bits per table.
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "common.h"
 
 namespace mp {
-
-bool cpu_has_avx512() {
-#if defined(__x86_64__)
-  // MAGICPIG_NO_AVX512=1 lets a user (or a test) pin the portable path process-wide.
-  static const bool ok = !std::getenv("MAGICPIG_NO_AVX512") && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_avx512bf16() {
-#if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 10
-  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return ok;
-#else
-  return false;
-#endif
-}
-
-const char* active_isa() {
-  if (cpu_has_avx512bf16()) return "avx512_bf16";
-  if (cpu_has_avx512()) return "avx512";
-  return "scalar";
-}
+namespace {
 
 // Packs the sign bits of one row's K*L projections into L codes.
-static inline void pack_codes(const uint8_t* bits, int K, int L, uint16_t* codes) {
+inline void pack_codes(const uint8_t* bits, int K, int L, uint16_t* codes) {
   for (int l = 0; l < L; ++l) {
     uint32_t c = 0;
     for (int j = 0; j < K; ++j) c |= static_cast<uint32_t>(bits[l * K + j]) << j;
@@ -65,8 +37,8 @@ void hash_rows_scalar(const float* x, int T, int d, const float* w, int K, int L
 
 #if defined(__x86_64__)
 // 4 rows at a time share each W load; columns in chunks of 16 (masked tail).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void hash_rows_avx512(
-    const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
+#define MP_HASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
   const int C = K * L;
   std::vector<uint8_t> bits(static_cast<size_t>(4) * C);
   for (int t0 = 0; t0 < T; t0 += 4) {
@@ -96,12 +68,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void ha
 }
 #endif
 
-// Keys (build) and queries (hash_codes) both come through here, so on one machine they always
-// share the same arithmetic; FMA vs mul+add only moves sign bits that sit at float rounding.
-void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
+}  // namespace
+
+// Keys (build) and queries (hash_codes) both come through here, so hashed with the same
+// force_scalar they share the same arithmetic; FMA vs mul+add, the only difference between the
+// twins, moves only sign bits that sit at float rounding.
+void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes, bool force_scalar) {
+  const Isa isa = resolve_isa(force_scalar);
 #if defined(__x86_64__)
-  if (cpu_has_avx512()) return hash_rows_avx512(x, T, d, w, K, L, codes);
+  if (isa != Isa::Scalar) return hash_rows_avx512(x, T, d, w, K, L, codes);
 #endif
+  (void)isa;
   hash_rows_scalar(x, T, d, w, K, L, codes);
 }
 

@@ -4,16 +4,16 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
 #include "common.h"
 
 namespace mp {
 
-// Writes the per-token codes of table t (inverse of the bucket sort); used by merge and codes().
 void recover_codes(const Segment& s, int t, uint16_t* codes) {
-  const uint16_t* ids = s.ids.data() + static_cast<size_t>(t) * s.n;
+  const uint16_t* ids = s.table_ids(t);
   if (s.dense_dir) {
-    const uint16_t* o = s.off.data() + static_cast<size_t>(t) * ((1u << s.K) + 1);
+    const uint16_t* o = s.dense_offsets(t);
     for (uint32_t c = 0; c < (1u << s.K); ++c)
       for (int i = o[c]; i < o[c + 1]; ++i) codes[ids[i]] = static_cast<uint16_t>(c);
     return;
@@ -34,8 +34,12 @@ static void sort_tables(Segment& s, const uint16_t* codes) {
   // codes (4 bytes per non-empty bucket, binary searched) are smaller.
   s.dense_dir = B <= static_cast<uint32_t>(n);
   std::vector<std::vector<uint16_t>> uc, us;
-  if (s.dense_dir) s.off.assign(static_cast<size_t>(T) * (B + 1), 0);
-  else { uc.resize(T); us.resize(T); }
+  if (s.dense_dir) {
+    s.off.assign(static_cast<size_t>(T) * (B + 1), 0);
+  } else {
+    uc.resize(T);
+    us.resize(T);
+  }
 #pragma omp parallel
   {
     std::vector<uint32_t> cnt(B + 1);
@@ -46,7 +50,7 @@ static void sort_tables(Segment& s, const uint16_t* codes) {
       for (int i = 0; i < n; ++i) ++cnt[c[i] + 1];
       if (!s.dense_dir)
         for (uint32_t b = 0; b < B; ++b)
-          if (cnt[b + 1]) { uc[t].push_back(static_cast<uint16_t>(b)); }
+          if (cnt[b + 1]) uc[t].push_back(static_cast<uint16_t>(b));
       for (uint32_t b = 0; b < B; ++b) cnt[b + 1] += cnt[b];  // cnt[b] = start of bucket b
       if (s.dense_dir) {
         uint16_t* o = s.off.data() + static_cast<size_t>(t) * (B + 1);
@@ -70,12 +74,16 @@ static void sort_tables(Segment& s, const uint16_t* codes) {
   }
 }
 
-std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv,
-                                       int d, int dtype, const float* centre, const float* w, int K,
-                                       int L) {
+std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
+                                       const float* centre, const float* w, int K, int L, bool force_scalar) {
   auto sp = std::make_shared<Segment>();
   Segment& s = *sp;
-  s.n = n; s.hkv = hkv; s.d = d; s.K = K; s.L = L; s.dtype = dtype;
+  s.n = n;
+  s.hkv = hkv;
+  s.d = d;
+  s.K = K;
+  s.L = L;
+  s.dtype = dtype;
   s.kmir.resize(static_cast<size_t>(hkv) * n * d);
   s.vmir.resize(s.kmir.size());
   s.knorm.resize(static_cast<size_t>(hkv) * n);
@@ -101,7 +109,7 @@ std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* val
         }
         s.knorm[h * static_cast<size_t>(n) + i] = static_cast<float>(std::sqrt(ss));
       }
-      hash_rows(x.data(), T, d, w, K, L, cb.data());
+      hash_rows(x.data(), T, d, w, K, L, cb.data(), force_scalar);
       for (int t = 0; t < T; ++t)
         for (int l = 0; l < L; ++l)
           codes[(static_cast<size_t>(h) * L + l) * n + t0 + t] = cb[static_cast<size_t>(t) * L + l];
@@ -116,9 +124,17 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts) {
   const Segment& a = *parts[0];
   auto sp = std::make_shared<Segment>();
   Segment& s = *sp;
-  s.hkv = a.hkv; s.d = a.d; s.K = a.K; s.L = a.L; s.dtype = a.dtype;
-  for (auto& p : parts) s.n += p->n;
-  if (s.n > 32768) throw std::invalid_argument("merge_segments: merged segment exceeds 32768 tokens");
+  s.hkv = a.hkv;
+  s.d = a.d;
+  s.K = a.K;
+  s.L = a.L;
+  s.dtype = a.dtype;
+  for (auto& p : parts) {
+    s.n += p->n;  // checked as it grows, so no number of parts can overflow it
+    if (s.n > kMaxSegmentTokens)
+      throw std::invalid_argument("merge_segments: merged segment exceeds " + std::to_string(kMaxSegmentTokens) +
+                                  " tokens");
+  }
   const int n = s.n, d = s.d, T = s.hkv * s.L;
   s.kmir.resize(static_cast<size_t>(s.hkv) * n * d);
   s.vmir.resize(s.kmir.size());

@@ -8,12 +8,15 @@ from __future__ import annotations
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from vllm_magicpig import kernel as kx
 from vllm_magicpig.eval import reference as ref
+
 from helpers import to_paged
 
 HAS_FAST = kx.active_isa() != "scalar"
@@ -23,6 +26,16 @@ PATHS = [True, False] if HAS_FAST else [True]  # force_scalar values to run
 def new_seed():
     s = int(os.environ.get("MAGICPIG_TEST_SEED", random.randrange(2**31)))
     return s, torch.Generator().manual_seed(s)
+
+
+# The statistical tests assert strict orderings of estimator errors, which any estimator
+# violates on a rare draw: they run on pinned seeds so they cannot flake (exactness tests
+# keep fresh seeds, replayable with MAGICPIG_TEST_SEED).
+STATISTICAL_SEEDS = (7, 1234)
+
+
+def pinned_seed(seed):
+    return seed, torch.Generator().manual_seed(seed)
 
 
 def make_keys(n, hkv, D, gen, offset=3.0, dtype=torch.bfloat16):
@@ -74,9 +87,9 @@ class Case:
         out = torch.full((R, self.H, self.D), float("nan"), dtype=self.query.dtype)
         lse = torch.full((R, self.H), float("nan"))
         cnt = torch.full((R, self.H), -7, dtype=torch.int64)
-        kx.sparse_decode_attention(self.query, self.qcodes, self.qdc, segs or self.segs, self.kview,
-                                   self.vview, self.bt, self.dense_ranges, self.scale, self.K, self.L,
-                                   out, lse, cnt, force_scalar=force_scalar)
+        kx.sparse_decode_attention(self.query, self.qcodes, self.qdc, segs or self.segs, self.kview, self.vview,
+                                   block_table=self.bt, dense_ranges=self.dense_ranges, scale=self.scale, K=self.K,
+                                   L=self.L, out=out, lse=lse, sampled_counts=cnt, force_scalar=force_scalar)
         return out, lse, cnt
 
     def reference(self, r):
@@ -115,6 +128,19 @@ def check_case(case, seed, force_scalar, tag=""):
 
 
 # --------------------------------------------------------------------------- hashing and index
+# |x.w| / (|x||w|) below which float32 rounding (FMA or not, summation order) may flip a sign bit.
+TIE_MARGIN = 1e-5
+
+
+def assert_codes_agree(got, want, x, W, K, L, msg):
+    """Codes [n, L] of rows x [n, D] may differ only in bits whose projection is a float32 tie."""
+    diff = got != want
+    if diff.any():
+        margin = ref.projection_margin(x, W, K, L)  # [n, L, K]
+        bits = ((((got ^ want)[diff]).unsqueeze(-1) >> torch.arange(K)) & 1).bool()
+        assert (margin[diff][bits] < TIE_MARGIN).all(), f"code bits differ beyond float32 ties ({msg})"
+
+
 @pytest.mark.parametrize("K,L,n", [(10, 150, 1500), (16, 8, 700), (1, 32, 50), (7, 3, 5000)])
 def test_codes_match_reference(K, L, n):
     seed, gen = new_seed()
@@ -127,19 +153,35 @@ def test_codes_match_reference(K, L, n):
     want = ref.key_codes(keys, centre, W, K, L)
     kc = keys.double() - centre.double()
     for h in range(hkv):
-        diff = got[h].T != want[h].T  # [n, L]
-        if diff.any():
-            margin = ref.projection_margin(kc[:, h], W, K, L)  # [n, L, K]
-            xor = (got[h].T ^ want[h].T)[diff]
-            bits = ((xor.unsqueeze(-1) >> torch.arange(K)) & 1).bool()
-            assert (margin[diff][bits] < 1e-5).all(), f"code bits differ beyond float32 ties (seed={seed})"
+        assert_codes_agree(got[h].T, want[h].T, kc[:, h], W, K, L, f"seed={seed} head={h}")
     # Queries go through the same hashing.
     x = torch.randn(33, D, generator=gen)
-    qc = kx.hash_codes(x, W, K, L).long()
-    d = qc != ref.simhash_codes(x, W, K, L)
-    if d.any():
-        assert (ref.projection_margin(x, W, K, L)[d].min(-1).values < 1e-5).all(), f"seed={seed}"
+    assert_codes_agree(kx.hash_codes(x, W, K, L).long(), ref.simhash_codes(x, W, K, L), x, W, K, L, f"seed={seed}")
     assert seg.num_tokens == n and seg.num_kv_heads == hkv and seg.head_dim == D and seg.K == K and seg.L == L
+
+
+@pytest.mark.skipif(not HAS_FAST, reason="no AVX-512 on this CPU: both paths are the scalar hash")
+@pytest.mark.parametrize("K,L,D", [(10, 150, 64), (16, 8, 128), (3, 40, 72)])
+def test_scalar_hash_matches_fast(K, L, D):
+    """The scalar hash is the AVX-512 hash's twin (mul+add vs FMA): same codes up to float32 ties,
+    for queries (hash_codes, any D) and for keys (build_segment)."""
+    seed, gen = new_seed()
+    W = torch.randn(D, K * L, generator=gen)
+    x = torch.randn(301, D, generator=gen)  # 301: a partial block of 64 rows and of 4 rows
+    fast = kx.hash_codes(x, W, K, L).long()
+    scalar = kx.hash_codes(x, W, K, L, force_scalar=True).long()
+    assert_codes_agree(scalar, fast, x, W, K, L, f"hash_codes seed={seed}")
+    if D % 16:
+        return  # segments need D % 16 == 0
+    hkv, n = 2, 700
+    keys, vals = make_keys(n, hkv, D, gen)
+    centre = keys.float().mean(0)
+    fast_seg = kx.build_segment(keys, vals, centre, W, K, L)
+    scalar_seg = kx.build_segment(keys, vals, centre, W, K, L, force_scalar=True)
+    kc = keys.double() - centre.double()
+    for h in range(hkv):
+        assert_codes_agree(scalar_seg.codes()[h].T.long(), fast_seg.codes()[h].T.long(), kc[:, h], W, K, L,
+                           f"build_segment seed={seed} head={h}")
 
 
 def test_index_memory_target():
@@ -151,7 +193,8 @@ def test_index_memory_target():
     assert per_tok <= 1.5 * L * 2, f"{per_tok} index bytes/token/KV head (seed={seed})"
     assert seg.mirror_bytes == 2 * n * hkv * D * 2 + n * hkv * 4
     # K = 16: the compact directory must stay far below a dense 2^16 table per (head, table).
-    seg16 = kx.build_segment(keys[:1000], vals[:1000], keys.float().mean(0), torch.randn(D, 16 * 8, generator=gen), 16, 8)
+    W16 = torch.randn(D, 16 * 8, generator=gen)
+    seg16 = kx.build_segment(keys[:1000], vals[:1000], keys.float().mean(0), W16, 16, 8)
     assert seg16.index_bytes < hkv * 8 * 1000 * 8
 
 
@@ -199,16 +242,30 @@ def test_edge_expectations():
     assert (out == 0).all() and (lse == -math.inf).all() and (cnt == 0).all(), f"seed={seed}"
 
 
+# The twins share the correction table and its interpolation, the acos and e^x polynomials and the
+# zero-weight skip; they differ only in FMA and summation order (q.k, the dpbf16 dot, the sum of
+# weights), which moves fp32 results by a few ulps: over 40 seeds the largest gap was 1.3e-6 of a
+# head's largest output and one ulp of lse.  1e-5 keeps ~8x margin.
+TWIN_RTOL = 1e-5
+
+
 @pytest.mark.skipif(not HAS_FAST, reason="no AVX-512 on this CPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fast_path_matches_scalar(dtype):
+@pytest.mark.parametrize("qdtype", [torch.float32, None], ids=["fp32_query", "cache_dtype_query"])
+def test_fast_path_matches_scalar(dtype, qdtype):
     seed, gen = new_seed()
-    c = Case(gen, [5000, 2000], 2, 4, 128, 9, 100, dtype=dtype, seg_sizes=[[3000, 1900], [1900]])
+    c = Case(gen, [5000, 2000], 2, 4, 128, 9, 100, dtype=dtype, seg_sizes=[[3000, 1900], [1900]], qdtype=qdtype)
     o1, l1, c1 = c.run(True)
     o2, l2, c2 = c.run(False)
-    assert torch.equal(c1, c2), f"seed={seed}"
-    assert (o1.double() - o2.double()).abs().max() < 1e-2, f"seed={seed}"
-    assert (l1 - l2).abs().max() < 1e-3, f"seed={seed}"
+    msg = f"seed={seed} dtype={dtype} query={c.query.dtype}"
+    assert torch.equal(c1, c2), msg
+    o1, o2 = o1.double(), o2.double()
+    # A 16-bit output (the query's dtype) may round the two fp32 results to neighbours: one
+    # output ulp, at most eps * |o|, on top of the fp32 gap.
+    ulp = torch.finfo(c.query.dtype).eps * torch.maximum(o1.abs(), o2.abs()) if c.query.dtype != torch.float32 else 0
+    bound = TWIN_RTOL * o2.abs().amax(-1, keepdim=True) + ulp
+    assert ((o1 - o2).abs() <= bound).all(), f"output gap {(o1 - o2).abs().max():.3g} ({msg})"
+    assert ((l1 - l2).abs() <= TWIN_RTOL * l2.abs().clamp_min(1)).all(), f"lse gap {(l1 - l2).abs().max():.3g} ({msg})"
 
 
 def test_long_context_64k():
@@ -242,8 +299,9 @@ def rel_err(out, exact):
     return ((out.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).mean().item()
 
 
-def test_error_falls_as_L_grows():
-    seed, gen = new_seed()
+@pytest.mark.parametrize("pinned", STATISTICAL_SEEDS)
+def test_error_falls_as_L_grows(pinned):
+    seed, gen = pinned_seed(pinned)
     errs = {L: [] for L in (20, 80, 300)}
     for _ in range(3):
         n, hkv, D, G, K = 3000, 1, 64, 4, 8
@@ -261,8 +319,9 @@ def test_error_falls_as_L_grows():
     assert e[300] < e[80] < e[20], f"error should fall with L: {e} (seed={seed})"
 
 
-def test_centering_helps_and_finds_needle():
-    seed, gen = new_seed()
+@pytest.mark.parametrize("pinned", STATISTICAL_SEEDS)
+def test_centering_helps_and_finds_needle(pinned):
+    seed, gen = pinned_seed(pinned)
     n, D, K, L = 4000, 64, 10, 150
     off = torch.randn(D, generator=gen)
     off = off / off.norm() * 30  # a strong common offset, as in real models
@@ -283,8 +342,9 @@ def test_centering_helps_and_finds_needle():
         qdc = (query[0].double() @ centre.double().T).float()
         out = torch.empty(1, 1, D, dtype=torch.bfloat16)
         cnt = torch.zeros(1, 1, dtype=torch.int64)
-        kx.sparse_decode_attention(query, qc, qdc, [[seg]], kview, vview, bt,
-                                   torch.zeros(1, 2, 2, dtype=torch.int32), D ** -0.5, K, L, out, None, cnt)
+        kx.sparse_decode_attention(query, qc, qdc, [[seg]], kview, vview, block_table=bt,
+                                   dense_ranges=torch.zeros(1, 2, 2, dtype=torch.int32), scale=D ** -0.5, K=K, L=L,
+                                   out=out, lse=None, sampled_counts=cnt)
         kcodes = seg.codes().long()
         sampled = ref.sample_mask(qc[0].long(), kcodes)[0]
         res[name] = (cnt.item() / n, bool(sampled[needle]), rel_err(out[0], exact))
@@ -303,6 +363,8 @@ def test_bad_inputs_raise():
         kx.build_segment(keys, vals, c.centres[0], W, 17, 20)
     with pytest.raises(ValueError, match="L must"):
         kx.build_segment(keys, vals, c.centres[0], torch.randn(64, 6), 6, 1)
+    with pytest.raises(ValueError, match="L must"):
+        kx.build_segment(keys, vals, c.centres[0], torch.randn(64, 6 * 1025), 6, 1025)
     with pytest.raises(TypeError, match="dtype"):
         kx.build_segment(keys.float(), vals.float(), c.centres[0], W, 6, 20)
     with pytest.raises(TypeError, match="values dtype"):
@@ -352,7 +414,84 @@ def test_bad_inputs_raise():
         call(query=torch.randn(1, 3, 64).bfloat16(), out=torch.empty(1, 3, 64).bfloat16())
     with pytest.raises(TypeError, match="Tensor"):
         call(block_table=c.bt.tolist())
+    with pytest.raises(TypeError, match="positional"):
+        kx.sparse_decode_attention(c.query, c.qcodes, c.qdc, c.segs, c.kview, c.vview, c.bt, c.dense_ranges, c.scale,
+                                   6, 20, torch.empty_like(c.query))
+
+
+def test_c_entry_points_reject_bad_sizes():
+    """Calls straight into _C (past kernel.py's checks) with one bad integer each: ValueError from
+    the O(1) guards in bindings.cpp, never an out-of-bounds access."""
+    seed, gen = new_seed()
+    c = Case(gen, [300], 2, 3, 64, 6, 20)
+    keys, vals = c.ctx[0]
+    n, hkv, D = keys.shape
+    W, centre = c.W, c.centres[0]
+
+    def rejects(fn, base, **bad):
+        with pytest.raises(ValueError):
+            fn(**{**base, **bad})
+
+    build = dict(keys=keys.data_ptr(), values=vals.data_ptr(), n=n, hkv=hkv, d=D, dtype=0,
+                 centre=centre.data_ptr(), w=W.data_ptr(), K=6, L=20)
+    seg = kx._C.build_segment(**build)  # the unmodified call is fine
+    for bad in (dict(n=0), dict(n=-3), dict(n=kx.MAX_SEGMENT_TOKENS + 1), dict(hkv=0), dict(d=0), dict(d=-64),
+                dict(d=40), dict(dtype=2), dict(K=0), dict(K=17), dict(L=1), dict(keys=0), dict(w=0)):
+        rejects(kx._C.build_segment, build, **bad)
+
+    x = torch.randn(5, D, generator=gen)
+    codes = torch.empty(5, 20, dtype=torch.int32)
+    hashing = dict(x=x.data_ptr(), N=5, d=D, w=W.data_ptr(), K=6, L=20, out=codes.data_ptr())
+    kx._C.hash_codes(**hashing)
+    for bad in (dict(N=-1), dict(d=0), dict(K=0), dict(K=17), dict(L=1), dict(x=0), dict(out=0)):
+        rejects(kx._C.hash_codes, hashing, **bad)
+
+    other_k = kx._C.build_segment(**{**build, "K": 5})
+    for parts in ([], [seg, other_k], [seg, None]):
+        rejects(kx._C.merge_segments, dict(parts=parts))
+    # Two segments over the size limit together: 32768 tokens of the smallest shape, plus one.
+    big_keys = torch.zeros(kx.MAX_SEGMENT_TOKENS, 1, 16, dtype=torch.bfloat16)
+    small = dict(keys=big_keys.data_ptr(), values=big_keys.data_ptr(), hkv=1, d=16, dtype=0,
+                 centre=torch.zeros(1, 16).data_ptr(), w=torch.randn(16, 2, generator=gen).data_ptr(), K=1, L=2)
+    big = kx._C.build_segment(n=kx.MAX_SEGMENT_TOKENS, **small)
+    rejects(kx._C.merge_segments, dict(parts=[big, kx._C.build_segment(n=1, **small)]))
+
+    R, H = c.query.shape[:2]
+    q, out = c.query.float().contiguous(), torch.empty(R, H, D)
+    decode = dict(R=R, H=H, hkv=hkv, d=D, K=6, L=20, dtype=0, scale=c.scale, q=q.data_ptr(), q_is_bf16=True,
+                  qcodes=c.qcodes.data_ptr(), qdc=c.qdc.data_ptr(), segs=[[seg]], kc=c.kview.data_ptr(),
+                  ks=list(c.kview.stride()), vc=c.vview.data_ptr(), vs=list(c.vview.stride()), bt=c.bt.data_ptr(),
+                  max_blocks=c.bt.shape[1], block_size=c.kview.shape[1], ranges=c.dense_ranges.data_ptr(),
+                  out=out.data_ptr(), lse=0, counts=0, force_scalar=False)
+    kx._C.sparse_decode(**decode)
+    for bad in (dict(R=-1), dict(R=2), dict(H=-6), dict(H=5), dict(hkv=0), dict(hkv=4), dict(d=0), dict(d=72),
+                dict(K=0), dict(K=17), dict(L=1), dict(dtype=-1), dict(ks=[1, 1, 1]), dict(vs=[1] * 5),
+                dict(max_blocks=-1), dict(block_size=0), dict(segs=[[other_k]]), dict(segs=[[None]]),
+                dict(q=0), dict(qcodes=0), dict(out=0)):
+        rejects(kx._C.sparse_decode, decode, **bad)
+
+
+def test_segment_limit_shared_with_extension():
+    """kernel.py refuses to import against an extension whose segment limit differs from limits.py."""
+    code = "import vllm_magicpig.limits as l; l.MAX_SEGMENT_TOKENS = 1024; import vllm_magicpig.kernel"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ImportError" in r.stderr, r.stderr
+    assert f"MAX_SEGMENT_TOKENS={kx._C.MAX_SEGMENT_TOKENS}" in r.stderr, r.stderr
+
+
+def test_profiling_reports_phases():
+    seed, gen = new_seed()
+    c = Case(gen, [900], 2, 4, 64, 8, 40)
+    with kx.profiling() as idle:
+        pass
+    assert idle == dict.fromkeys(("lookup", "gather_logits", "softmax_v", "merge"), 0.0), f"timers not reset: {idle}"
+    with kx.profiling() as busy:
+        c.run(False)
+    assert set(busy) == set(idle) and all(v >= 0 for v in busy.values()), busy
+    assert busy["lookup"] > 0 and busy["softmax_v"] > 0, f"a segment and dense tokens were attended: {busy}"
 
 
 def test_active_isa_reported():
     assert kx.active_isa() in ("avx512_bf16", "avx512", "scalar")
+    if os.environ.get("MAGICPIG_NO_AVX512"):  # set by tests/test_kernel_scalar.py
+        assert kx.active_isa() == "scalar"

@@ -6,18 +6,23 @@ import vLLM.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 
-from . import _C
+from . import _C, limits
 
 __all__ = [
     "Segment", "build_segment", "merge_segments", "hash_codes", "sparse_decode_attention",
-    "active_isa", "MAX_SEGMENT_TOKENS",
+    "active_isa", "profiling", "MAX_SEGMENT_TOKENS",
 ]
 
-MAX_SEGMENT_TOKENS = 32768  # token ids inside a segment are uint16
+MAX_SEGMENT_TOKENS = limits.MAX_SEGMENT_TOKENS
+if _C.MAX_SEGMENT_TOKENS != MAX_SEGMENT_TOKENS:
+    raise ImportError(f"vllm_magicpig._C was built with MAX_SEGMENT_TOKENS={_C.MAX_SEGMENT_TOKENS}, but "
+                      f"vllm_magicpig.limits says {MAX_SEGMENT_TOKENS}: rebuild the extension "
+                      "(python setup.py build_ext --inplace)")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 
@@ -25,6 +30,23 @@ _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 def active_isa() -> str:
     """The fastest path this CPU runs: "avx512_bf16", "avx512" or "scalar"."""
     return _C.active_isa()
+
+
+@contextlib.contextmanager
+def profiling() -> Iterator[dict[str, float]]:
+    """Time the kernel's phases for the calls made inside the block.
+
+    Yields a dict that is filled on exit with seconds per phase ("lookup", "gather_logits",
+    "softmax_v", "merge"), summed over threads.  The timers are process-wide: calls made by other
+    threads meanwhile are counted too, and blocks must not nest.
+    """
+    times: dict[str, float] = {}
+    _C.set_profiling(True)
+    try:
+        yield times
+    finally:
+        times.update(_C.profile())
+        _C.set_profiling(False)
 
 
 class Segment:
@@ -92,10 +114,11 @@ def _check_optional_out(name, t, dtype, shape):
 
 
 def _check_kl(K, L):
-    if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 16:
-        raise ValueError(f"K must be an int in 1..16, got {K!r}")
-    if isinstance(L, bool) or not isinstance(L, int) or L < 2:
-        raise ValueError(f"L must be an int >= 2 (a key is sampled on >= 2 collisions), got {L!r}")
+    (k_lo, k_hi), (l_lo, l_hi) = limits.K_RANGE, limits.L_RANGE
+    if isinstance(K, bool) or not isinstance(K, int) or not limits.in_range(K, limits.K_RANGE):
+        raise ValueError(f"K must be an int in {k_lo}..{k_hi}, got {K!r}")
+    if isinstance(L, bool) or not isinstance(L, int) or not limits.in_range(L, limits.L_RANGE):
+        raise ValueError(f"L must be an int in {l_lo}..{l_hi} (a key is sampled on >= 2 collisions), got {L!r}")
 
 
 def _check_projection(projection, D, K, L):
@@ -111,8 +134,10 @@ def _check_head_dim(D):
 
 
 # ----------------------------------------------------------------------------- segments and hashing
-def build_segment(keys, values, centre, projection, K: int, L: int) -> Segment:
-    """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table."""
+def build_segment(keys, values, centre, projection, K: int, L: int, *, force_scalar: bool = False) -> Segment:
+    """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table.
+
+    ``force_scalar`` hashes with the portable path even where AVX-512 is available (for tests)."""
     _check_kl(K, L)
     _tensor("keys", keys)
     _tensor("values", values)
@@ -132,7 +157,7 @@ def build_segment(keys, values, centre, projection, K: int, L: int) -> Segment:
     projection = _check_projection(projection, D, K, L)
     keys, values, centre = keys.contiguous(), values.contiguous(), centre.contiguous()
     c = _C.build_segment(keys.data_ptr(), values.data_ptr(), n, hkv, D, _DTYPE_CODE[keys.dtype],
-                         centre.data_ptr(), projection.data_ptr(), K, L)
+                         centre.data_ptr(), projection.data_ptr(), K, L, bool(force_scalar))
     return Segment(c)
 
 
@@ -155,8 +180,9 @@ def merge_segments(segments: Sequence[Segment]) -> Segment:
     return Segment(_C.merge_segments([s._c for s in segments]))
 
 
-def hash_codes(x, projection, K: int, L: int) -> torch.Tensor:
-    """int32 [N, L] SimHash codes of rows x [N, D], with the same arithmetic as the segment build."""
+def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False) -> torch.Tensor:
+    """int32 [N, L] SimHash codes of rows x [N, D], with the same arithmetic as the segment build
+    (given the same ``force_scalar``)."""
     _check_kl(K, L)
     _tensor("x", x)
     _dtype("x", x, (torch.float32, torch.bfloat16, torch.float16))
@@ -167,16 +193,19 @@ def hash_codes(x, projection, K: int, L: int) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     out = torch.empty(N, L, dtype=torch.int32)
     if N:
-        _C.hash_codes(x.data_ptr(), N, D, projection.data_ptr(), K, L, out.data_ptr())
+        _C.hash_codes(x.data_ptr(), N, D, projection.data_ptr(), K, L, out.data_ptr(), bool(force_scalar))
     return out
 
 
 # ----------------------------------------------------------------------------- decode attention
-def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache,
+def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache, *,
                             block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
                             sampled_counts=None, force_scalar: bool = False, check_values: bool = True) -> None:
     """MagicPIG decode attention for R requests (one query token each); writes ``out`` (and ``lse``,
-    ``sampled_counts``).  See the module docs of the package README for the estimator."""
+    ``sampled_counts``).  See the module docs of the package README for the estimator.
+
+    Everything after ``value_cache`` is keyword-only, so each call names its tensors, scalars and
+    outputs rather than relying on the order of a dozen similar arguments."""
     _check_kl(K, L)
     for name, t in (("query", query), ("query_codes", query_codes), ("query_dot_centre", query_dot_centre),
                     ("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table),

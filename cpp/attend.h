@@ -1,0 +1,143 @@
+// Internal to sparse decode attention: what the driver (sparse_decode.cpp), retrieval and dense
+// gather (retrieve.cpp) and the twin attention paths (attend_scalar.cpp, attend_avx512.cpp) share.
+//
+// A unit is (request, KV head, group of <= MAXG query heads, one segment or one dense chunk).  It
+// collects its rows (retrieve or gather_dense), then attends: q.k -> logits and softmax -> V
+// accumulation, leaving a partial (max, sum, acc) per head that the driver merges by log-sum-exp.
+#pragma once
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace mp {
+
+constexpr int MAXG = 16;     // query heads per unit: head masks fit a uint16
+constexpr int DCHUNK = 256;  // dense tokens per unit
+constexpr int NT = 8192;     // intervals of the -log(u + 1e-4) table over theta in [0, pi]
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr double PI = 3.14159265358979323846;
+
+// acos on [-1, 1] as sqrt(1 - |x|) * poly(|x|), reflected for x < 0 (Abramowitz & Stegun 4.4.46,
+// |error| <= 2e-8 rad).  Both attention paths evaluate this same polynomial (Horner, highest
+// coefficient first) so their table positions differ only by FMA rounding.
+constexpr int kAcosTerms = 8;
+constexpr float kAcosCoef[kAcosTerms] = {-0.0012624911f, 0.0066700901f, -0.0170881256f, 0.0308918810f,
+                                         -0.0501743046f, 0.0889789874f, -0.2145988016f, 1.5707963050f};
+// e^x for x <= 0 as 2^k * e^f, k = round(x / ln2), |f| <= ln2/2, e^f by its Taylor polynomial
+// (relative error ~1e-7), highest coefficient first; both paths evaluate it the same way.
+constexpr int kExpTerms = 7;
+constexpr float kExpCoef[kExpTerms] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.69314718055994531f;
+// Weights e^x below e^-87 (under FLT_MIN) are flushed to exactly 0 by both paths, so both skip the
+// same rows in the V accumulation.
+constexpr float kExpFloor = -87.f;
+// A centred key at the centre (or q = 0) has no direction: below this |q||k - c| the key is
+// treated as orthogonal (cos = 0).
+constexpr float kMinNormProduct = 1e-30f;
+
+// Query head h reads KV head h / gsz; the gsz query heads of one KV head go in chunks of <= MAXG
+// (one bit each in a uint16 mask).  The unit builder and the merge both go through this, so a
+// head's partial is read back from the slot it was written to.
+struct HeadGroups {
+  int hkv, gsz, nchunk;
+  HeadGroups(int H, int hkv_) : hkv(hkv_), gsz(H / hkv_), nchunk((H / hkv_ + MAXG - 1) / MAXG) {}
+  int index(int r, int kvh, int chunk) const { return (r * hkv + kvh) * nchunk + chunk; }
+  int first_head(int kvh, int chunk) const { return kvh * gsz + chunk * MAXG; }
+  int size(int chunk) const { return std::min(MAXG, gsz - chunk * MAXG); }
+  struct Slot {
+    int group, lane;  // group index(r, kvh, chunk); lane = head - first_head(kvh, chunk)
+  };
+  Slot head_group(int r, int h) const {
+    const int kvh = h / gsz, chunk = (h - kvh * gsz) / MAXG;
+    return {index(r, kvh, chunk), h - first_head(kvh, chunk)};
+  }
+};
+
+struct Unit {
+  int r, kvh, h0, G;
+  const Segment* seg;  // null: dense tokens [begin, end)
+  int begin, end;
+};
+
+// The rows one unit attends to, all in row-major [d] layout of the cache dtype.
+struct Rows {
+  const uint16_t* kb;
+  const uint16_t* vb;
+  const uint16_t* idx;   // row i is kb + idx[i]*d (segment) or kb + i*d (dense tile)
+  const uint16_t* mask;  // per row: bit g = query head g attends this row
+  const float* knorm;    // segment only: |k - c| by token id
+  int n;
+  bool seg;
+  const uint16_t* row(const uint16_t* base, int i, int d) const {
+    return base + static_cast<size_t>(idx ? idx[i] : i) * d;
+  }
+};
+
+struct Heads {
+  int G;
+  const float* q[MAXG];
+  float qn[MAXG], qdc[MAXG];
+  const uint16_t* qbf;  // [G][d] bf16 copy of q (Isa::Avx512Bf16 only)
+};
+
+// Result of one unit for its G heads.
+struct Partial {
+  float* max;
+  float* sum;
+  float* acc;  // [G][d]
+};
+
+// Per-thread scratch, kept across calls so retrieval never clears O(n) memory per step.
+struct Scratch {
+  // cell[id*G + g]: retrieval epoch and collision count of token id for head g (retrieve.cpp).
+  std::vector<uint16_t> cell;
+  // sel[id]: epoch and mask of the heads that sampled id; lets us build the union list once.
+  std::vector<uint32_t> sel;
+  uint32_t epoch = 0;
+  int cap_g = 0;
+  std::vector<uint16_t> list, tmp, rmask, ktile, vtile, qbf;
+  std::vector<Segment::Bucket> buckets;  // [L][G] ranges of one unit
+  std::vector<float> scores;             // [G][n]: q.k, then logits, then softmax weights, in place
+  std::vector<float> row_f32;            // one K or V row converted to fp32
+};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct PhaseTimer {  // adds the time since the last tick to a phase when profiling is on
+  bool on = g_profile.load(std::memory_order_relaxed);
+  int64_t t = on ? now_ns() : 0;
+  void tick(Phase phase) {
+    if (!on) return;
+    const int64_t n = now_ns();
+    g_prof[phase].fetch_add(n - t, std::memory_order_relaxed);
+    t = n;
+  }
+};
+
+// u = P(a key at cosine cs to q collides with it in >= 2 of L tables of K bits).
+double sample_prob(double cs, int K, int L);
+// -log(u + 1e-4) at theta = pi * i / NT for i in [0, NT], plus one copy of the last entry; built
+// once per (K, L) and kept for the process.
+const float* corr_table(int K, int L);
+
+// Collects the union over the unit's heads of the keys with >= 2 table collisions into
+// scratch.list (ascending ids) and scratch.rmask; adds each head's sample count.
+void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int64_t* sampled_per_head);
+// Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles.
+void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch);
+
+void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
+                   const float* neg_log_u_table);
+#if defined(__x86_64__)
+// isa is Avx512 or Avx512Bf16 (the bf16 dot for q.k).
+void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
+                   const float* neg_log_u_table, Isa isa);
+#endif
+
+}  // namespace mp

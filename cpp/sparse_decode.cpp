@@ -1,0 +1,160 @@
+// Sparse decode attention: LSH retrieval (>= 2 collisions) over segments plus exact dense tokens,
+// one self-normalised softmax per query head.
+//
+// Work units are (request, KV head, group of <= 16 query heads, segment or dense chunk).  Each
+// unit reads every K/V row it needs once for all of its query heads and leaves a partial
+// (max, sum, acc) per head; partials are merged by log-sum-exp at the end.  This keeps batch-1
+// decodes parallel and makes the cost follow the bucket entries walked, not the context length.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "attend.h"
+
+namespace mp {
+
+std::atomic<bool> g_profile{false};
+std::atomic<int64_t> g_prof[kNumPhases];
+
+namespace {
+
+thread_local Scratch tls_scratch;
+
+Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scratch) {
+  Heads heads;
+  heads.G = unit.G;
+  heads.qbf = nullptr;
+  for (int g = 0; g < unit.G; ++g) {
+    const size_t h = static_cast<size_t>(unit.r) * args.H + unit.h0 + g;
+    heads.q[g] = args.q + h * args.d;
+    double ss = 0;
+    for (int j = 0; j < args.d; ++j) ss += static_cast<double>(heads.q[g][j]) * heads.q[g][j];
+    heads.qn[g] = static_cast<float>(std::sqrt(ss));
+    heads.qdc[g] = args.qdc[h];
+  }
+  if (isa == Isa::Avx512Bf16) {  // q is exactly bf16: keep its raw bits for dpbf16
+    scratch.qbf.resize(static_cast<size_t>(unit.G) * args.d);
+    for (int g = 0; g < unit.G; ++g)
+      for (int j = 0; j < args.d; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, &heads.q[g][j], 4);
+        scratch.qbf[static_cast<size_t>(g) * args.d + j] = static_cast<uint16_t>(bits >> 16);
+      }
+    heads.qbf = scratch.qbf.data();
+  }
+  return heads;
+}
+
+}  // namespace
+
+void sparse_decode(const AttnArgs& args) {
+  Isa isa = resolve_isa(args.force_scalar);
+  // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
+  if (isa == Isa::Avx512Bf16 && !(args.q_is_bf16 && args.dtype == BF16)) isa = Isa::Avx512;
+  const float* neg_log_u_table = corr_table(args.K, args.L);
+  const HeadGroups groups(args.H, args.hkv);
+
+  // Units in group order, so each group's partials are contiguous:
+  // group_begin[g] .. group_begin[g + 1] for g = groups.index(r, kvh, chunk).
+  std::vector<Unit> units;
+  std::vector<int> group_begin;
+  for (int r = 0; r < args.R; ++r)
+    for (int kvh = 0; kvh < args.hkv; ++kvh)
+      for (int c = 0; c < groups.nchunk; ++c) {
+        group_begin.push_back(static_cast<int>(units.size()));
+        const int h0 = groups.first_head(kvh, c), G = groups.size(c);
+        for (const auto& sp : (*args.segs)[r]) units.push_back({r, kvh, h0, G, sp.get(), 0, 0});
+        for (int k = 0; k < 2; ++k) {
+          const int lo = args.ranges[r * 4 + k * 2], hi = args.ranges[r * 4 + k * 2 + 1];
+          for (int p = lo; p < hi; p += DCHUNK) units.push_back({r, kvh, h0, G, nullptr, p, std::min(hi, p + DCHUNK)});
+        }
+      }
+  group_begin.push_back(static_cast<int>(units.size()));
+  const int nu = static_cast<int>(units.size());
+
+  // Largest units first so the dynamic schedule balances well.
+  std::vector<int> order(nu);
+  std::iota(order.begin(), order.end(), 0);
+  auto cost = [&](int i) { return units[i].seg ? units[i].seg->n / 8 : units[i].end - units[i].begin; };
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return cost(x) > cost(y); });
+
+  std::vector<float> part_max(static_cast<size_t>(nu) * MAXG), part_sum(part_max.size());
+  std::vector<float> part_acc(part_max.size() * args.d);
+  std::vector<int64_t> part_count(part_max.size(), 0);
+
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int oi = 0; oi < nu; ++oi) {
+    const int ui = order[oi];
+    const Unit& unit = units[ui];
+    Scratch& scratch = tls_scratch;
+    const Heads heads = load_heads(args, unit, isa, scratch);
+    const size_t slot = static_cast<size_t>(ui) * MAXG;
+    Rows rows{};
+    PhaseTimer pt;
+    if (unit.seg) {
+      retrieve(args, unit, scratch, part_count.data() + slot);
+      const Segment& seg = *unit.seg;
+      const size_t base = static_cast<size_t>(unit.kvh) * seg.n;
+      rows.kb = seg.kmir.data() + base * args.d;
+      rows.vb = seg.vmir.data() + base * args.d;
+      rows.idx = scratch.list.data();
+      rows.mask = scratch.rmask.data();
+      rows.knorm = seg.knorm.data() + base;
+      rows.n = static_cast<int>(scratch.list.size());
+      rows.seg = true;
+      pt.tick(kPhaseLookup);
+    } else {
+      gather_dense(args, unit, scratch);
+      rows.n = unit.end - unit.begin;
+      scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
+      rows.kb = scratch.ktile.data();
+      rows.vb = scratch.vtile.data();
+      rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
+      pt.tick(kPhaseGatherLogits);
+    }
+    const Partial part{part_max.data() + slot, part_sum.data() + slot, part_acc.data() + slot * args.d};
+#if defined(__x86_64__)
+    if (isa != Isa::Scalar) {
+      attend_avx512(args, rows, heads, scratch, part, neg_log_u_table, isa);
+      continue;
+    }
+#endif
+    attend_scalar(args, rows, heads, scratch, part, neg_log_u_table);
+  }
+
+  // LSE merge of the partials of each query head.
+  PhaseTimer pt;
+#pragma omp parallel for
+  for (int rh = 0; rh < args.R * args.H; ++rh) {
+    const HeadGroups::Slot hs = groups.head_group(rh / args.H, rh % args.H);
+    float M = NEG_INF;
+    int64_t count = 0;
+    for (int ui = group_begin[hs.group]; ui < group_begin[hs.group + 1]; ++ui) {
+      const size_t k = static_cast<size_t>(ui) * MAXG + hs.lane;
+      if (part_sum[k] > 0.f) M = std::max(M, part_max[k]);
+      count += part_count[k];
+    }
+    float* out = args.out + static_cast<size_t>(rh) * args.d;
+    std::fill(out, out + args.d, 0.f);
+    double sum = 0;
+    if (M != NEG_INF) {
+      for (int ui = group_begin[hs.group]; ui < group_begin[hs.group + 1]; ++ui) {
+        const size_t k = static_cast<size_t>(ui) * MAXG + hs.lane;
+        if (!(part_sum[k] > 0.f)) continue;
+        const float w = std::exp(part_max[k] - M);
+        sum += static_cast<double>(w) * part_sum[k];
+        const float* acc = part_acc.data() + k * args.d;
+        for (int j = 0; j < args.d; ++j) out[j] += w * acc[j];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int j = 0; j < args.d; ++j) out[j] *= inv;
+    }
+    if (args.lse) args.lse[rh] = M == NEG_INF ? NEG_INF : M + static_cast<float>(std::log(sum));
+    if (args.counts) args.counts[rh] = count;
+  }
+  pt.tick(kPhaseMerge);
+}
+
+}  // namespace mp
