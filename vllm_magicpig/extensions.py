@@ -8,7 +8,8 @@ point is a function called once per process, which registers what it adds:
 * config keys of ``additional_config["magicpig"]`` (:func:`register_config_key`), validated
   at start-up like ours and carried in ``MagicPigConfig.extra``;
 * a step-settings hook (:func:`register_settings_hook`): may change the step's settings;
-* layer observers (:func:`register_layer_observer`): see each sparse layer's decode;
+* layer observers, attached to one runtime while they are needed
+  (``MagicPigRuntime.observers``), so production decode pays nothing for them otherwise;
 * worker RPC methods for ``LLM.collective_rpc`` (:func:`register_worker_rpc`);
 * per-runtime state and counters (:func:`register_runtime_init`).
 
@@ -43,7 +44,6 @@ class ConfigKey:
 
 CONFIG_KEYS: dict[str, ConfigKey] = {}
 SETTINGS_HOOKS: list[Callable] = []  # (runtime, StepSettings) -> StepSettings
-LAYER_OBSERVERS: list[Any] = []  # objects with before_decode / after_decode
 WORKER_RPCS: dict[str, Callable] = {}  # name -> fn(runtime, *args, **kwargs)
 RUNTIME_INITS: list[Callable] = []  # fn(runtime): set up the extension's per-runtime state
 
@@ -68,14 +68,6 @@ def register_config_key(key: ConfigKey) -> None:
 def register_settings_hook(hook: Callable) -> None:
     if hook not in SETTINGS_HOOKS:
         SETTINGS_HOOKS.append(hook)
-
-
-def register_layer_observer(observer: Any) -> None:
-    """``observer.before_decode(ctx, kv, plan)`` runs before every sparse layer's decode (also
-    when the platform kernel serves it); ``observer.after_decode(ctx, query, kv, plan, out,
-    result)`` after a decode through a registered method."""
-    if observer not in LAYER_OBSERVERS:
-        LAYER_OBSERVERS.append(observer)
 
 
 def register_worker_rpc(name: str, fn: Callable) -> None:

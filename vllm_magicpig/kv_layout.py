@@ -55,6 +55,25 @@ class CpuVecLayout:
         return KVViews(k, v)
 
 
+class FlashLayout:
+    """vLLM's CUDA cache for FLASH_ATTN (and TRITON_ATTN): logical ``[num_blocks, Hkv, block_size,
+    2 * D]`` per layer, each (block, head, token) cell holding K then V. Whatever the physical order
+    (``KVCacheLayout``; MAGICPIG declares LBNHC, so a block is one contiguous ``[N, Hkv, 2D]`` run),
+    the views below are the ones FlashAttentionImpl itself takes.
+    """
+
+    name = "flash"
+
+    @staticmethod
+    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, 2 * head_dim)
+
+    def views(self, kv_cache: torch.Tensor) -> KVViews:
+        d = kv_cache.shape[-1] // 2
+        k, v = kv_cache.transpose(1, 2).split(d, dim=-1)
+        return KVViews(k, v)
+
+
 def request_blocks(block_table: torch.Tensor, request: int, seq_len: int, block_size: int) -> tuple[int, ...]:
     """The physical block ids that hold tokens [0, seq_len) of one request."""
     return tuple(block_table[request, : (seq_len + block_size - 1) // block_size].tolist())

@@ -11,7 +11,6 @@ import torch
 
 from vllm_magicpig import (
     decode_methods,
-    extensions,
     magicpig_decode,  # noqa: F401  (registers the production method)
 )
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
@@ -29,7 +28,7 @@ class SparseLayer:
         ctx.settings = st
         ctx.projection = ctx.runtime.projection(ctx.head_size, st.K, st.L)
         kv = ctx.runtime.layout.views(kv_cache)
-        for observer in extensions.LAYER_OBSERVERS:
+        for observer in ctx.runtime.observers:
             observer.before_decode(ctx, kv, plan)
         return kv
 
@@ -41,7 +40,7 @@ class SparseLayer:
         method = decode_methods.get_method(plan.settings.method)
         result = method.forward(ctx, q, kv, plan, out)
         self._account(plan, result, label=result.label or method.name)
-        for observer in extensions.LAYER_OBSERVERS:
+        for observer in ctx.runtime.observers:
             observer.after_decode(ctx, q, kv, plan, out, result)
 
     def account_exact(self, plan: DecodePlan) -> None:

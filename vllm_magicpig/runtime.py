@@ -40,6 +40,10 @@ class MagicPigRuntime:
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
         self.extension_state: dict[str, Any] = {}
+        # Layer observers: ``before_decode(ctx, kv, plan)`` runs before every sparse layer's decode
+        # (also when the platform kernel serves it), ``after_decode(ctx, query, kv, plan, out,
+        # result)`` after a decode through a registered method. Empty unless an extension needs them.
+        self.observers: list[Any] = []
         self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
         extensions.load()
         for init in extensions.RUNTIME_INITS:

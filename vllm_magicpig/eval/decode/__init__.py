@@ -103,8 +103,6 @@ def install() -> None:
         "quest_page_size", 16, settings.parse_quest_page_size, "evaluation only: page size of the 'quest' baseline"))
     extensions.register_runtime_init(settings.init_runtime)
     extensions.register_settings_hook(settings.apply_override)
-    extensions.register_layer_observer(centring.CalibrationObserver())
-    extensions.register_layer_observer(ErrorObserver())
     extensions.register_worker_rpc("magicpig_set_eval", _set_eval)
     extensions.register_worker_rpc("magicpig_set_decode_method", _set_decode_method)
     extensions.register_worker_rpc("magicpig_calibration", _calibration)

@@ -136,10 +136,24 @@ def set_eval(runtime, **kw) -> dict:
     new = EvalOverride(**kw)
     changes_index = any(getattr(old, k) != getattr(new, k) for k in ("K", "L", "centering"))
     ev.override = new
+    _attach_observers(runtime, new)
     if changes_index:
         runtime.clear_index()
         ev.per_key_cache.clear()
     return {k: v for k, v in dataclasses.asdict(new).items() if v not in (None, False)}
+
+
+def _attach_observers(runtime, override: EvalOverride) -> None:
+    """Calibration and error measurement watch every sparse layer's decode, so they are attached
+    to the runtime only while switched on."""
+    from vllm_magicpig.eval.decode import ErrorObserver
+    from vllm_magicpig.eval.decode.centring import CalibrationObserver
+
+    runtime.observers[:] = [o for o in runtime.observers if not isinstance(o, (CalibrationObserver, ErrorObserver))]
+    if override.calibrate:
+        runtime.observers.append(CalibrationObserver())
+    if override.measure_error:
+        runtime.observers.append(ErrorObserver())
 
 
 def set_decode_method(runtime, method: str | None) -> dict:
