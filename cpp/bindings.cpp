@@ -46,6 +46,20 @@ void check_ptr(const char* fn, const char* name, uintptr_t p) {
   require(p != 0, std::string(fn) + ": " + name + " is a null pointer");
 }
 
+// The O(1) guards shared by build_segment and build_segment_from_codes.
+void check_segment_args(const char* fn, int n, int hkv, int d, int dtype, int K, int L, uintptr_t k, uintptr_t v,
+                        uintptr_t c) {
+  require(1 <= n && n <= kMaxSegmentTokens,
+          std::string(fn) + ": n must be in 1.." + num(kMaxSegmentTokens) + ", got " + num(n));
+  require(hkv >= 1, std::string(fn) + ": hkv must be >= 1, got " + num(hkv));
+  check_head_dim(fn, d);
+  check_dtype(fn, dtype);
+  check_kl(fn, K, L);
+  check_ptr(fn, "keys", k);
+  check_ptr(fn, "values", v);
+  check_ptr(fn, "centre", c);
+}
+
 void check_segment(const char* fn, const Segment* s, int hkv, int d, int K, int L, int dtype) {
   require(s != nullptr, std::string(fn) + ": segment is None");
   require(s->hkv == hkv && s->d == d && s->K == K && s->L == L && s->dtype == dtype,
@@ -86,41 +100,53 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "build_segment",
       [](uintptr_t k, uintptr_t v, int n, int hkv, int d, int dtype, uintptr_t c, uintptr_t w, int K, int L,
-         bool force_scalar) {
+         bool force_scalar, int num_threads) {
         const char* fn = "build_segment";
-        require(1 <= n && n <= kMaxSegmentTokens,
-                std::string(fn) + ": n must be in 1.." + num(kMaxSegmentTokens) + ", got " + num(n));
-        require(hkv >= 1, std::string(fn) + ": hkv must be >= 1, got " + num(hkv));
-        check_head_dim(fn, d);
-        check_dtype(fn, dtype);
-        check_kl(fn, K, L);
-        check_ptr(fn, "keys", k);
-        check_ptr(fn, "values", v);
-        check_ptr(fn, "centre", c);
+        check_segment_args(fn, n, hkv, d, dtype, K, L, k, v, c);
         check_ptr(fn, "w", w);
         py::gil_scoped_release nogil;
         return build_segment(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype, ptr<const float>(c),
-                             ptr<const float>(w), K, L, force_scalar);
+                             ptr<const float>(w), K, L, force_scalar, num_threads);
       },
       py::arg("keys"), py::arg("values"), py::arg("n"), py::arg("hkv"), py::arg("d"), py::arg("dtype"),
-      py::arg("centre"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("force_scalar") = false);
+      py::arg("centre"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("force_scalar") = false,
+      py::arg("num_threads") = 0);
+
+  m.def(
+      "build_segment_from_codes",
+      [](uintptr_t k, uintptr_t v, int n, int hkv, int d, int dtype, uintptr_t c, uintptr_t codes, int code_bytes,
+         int K, int L, int num_threads) {
+        const char* fn = "build_segment_from_codes";
+        check_segment_args(fn, n, hkv, d, dtype, K, L, k, v, c);
+        check_ptr(fn, "codes", codes);
+        require(code_bytes == 2 || code_bytes == 4,
+                std::string(fn) + ": code_bytes must be 2 (uint16) or 4 (int32), got " + num(code_bytes));
+        py::gil_scoped_release nogil;
+        return build_segment_from_codes(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype,
+                                        ptr<const float>(c), ptr<const void>(codes), code_bytes, K, L, num_threads);
+      },
+      py::arg("keys"), py::arg("values"), py::arg("n"), py::arg("hkv"), py::arg("d"), py::arg("dtype"),
+      py::arg("centre"), py::arg("codes"), py::arg("code_bytes"), py::arg("K"), py::arg("L"),
+      py::arg("num_threads") = 0,
+      "A segment over codes int32 (code_bytes 4) or uint16 (2) [hkv][L][n], as Segment.codes_into writes them; "
+      "codes outside [0, 2^K) raise ValueError.");
 
   m.def(
       "merge_segments",
-      [](const std::vector<std::shared_ptr<Segment>>& parts) {
+      [](const std::vector<std::shared_ptr<Segment>>& parts, int num_threads) {
         require(!parts.empty(), "merge_segments: no segments");
         const Segment* a = parts[0].get();
         require(a != nullptr, "merge_segments: segment is None");
         for (const auto& p : parts) check_segment("merge_segments", p.get(), a->hkv, a->d, a->K, a->L, a->dtype);
         std::vector<SegmentPtr> cp(parts.begin(), parts.end());
         py::gil_scoped_release nogil;
-        return merge_segments(cp);  // throws past kMaxSegmentTokens merged tokens
+        return merge_segments(cp, num_threads);  // throws past kMaxSegmentTokens merged tokens
       },
-      py::arg("parts"));
+      py::arg("parts"), py::arg("num_threads") = 0);
 
   m.def(
       "hash_codes",
-      [](uintptr_t x, int N, int d, uintptr_t w, int K, int L, uintptr_t out, bool force_scalar) {
+      [](uintptr_t x, int N, int d, uintptr_t w, int K, int L, uintptr_t out, bool force_scalar, int num_threads) {
         const char* fn = "hash_codes";
         require(N >= 0, std::string(fn) + ": N must be >= 0, got " + num(N));
         // Any d > 0: hashing has no 16-lane loop over d.
@@ -134,7 +160,7 @@ PYBIND11_MODULE(_C, m) {
         std::vector<uint16_t> c(static_cast<size_t>(N) * L);
         const float* xp = ptr<const float>(x);
         const int TB = 64, nb = (N + TB - 1) / TB;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(team_size(num_threads))
         for (int b = 0; b < nb; ++b)
           hash_rows(xp + static_cast<size_t>(b) * TB * d, std::min(TB, N - b * TB), d, ptr<const float>(w), K, L,
                     c.data() + static_cast<size_t>(b) * TB * L, force_scalar);
@@ -142,14 +168,14 @@ PYBIND11_MODULE(_C, m) {
         for (size_t i = 0; i < c.size(); ++i) o[i] = c[i];
       },
       py::arg("x"), py::arg("N"), py::arg("d"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("out"),
-      py::arg("force_scalar") = false);
+      py::arg("force_scalar") = false, py::arg("num_threads") = 0);
 
   m.def(
       "sparse_decode",
       [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, bool q_is_bf16,
          uintptr_t qcodes, uintptr_t qdc, const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc,
          std::vector<int64_t> ks, uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size,
-         uintptr_t ranges, uintptr_t out, uintptr_t lse, uintptr_t counts, bool force_scalar) {
+         uintptr_t ranges, uintptr_t out, uintptr_t lse, uintptr_t counts, bool force_scalar, int num_threads) {
         const char* fn = "sparse_decode";
         require(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
         require(hkv >= 1 && H % hkv == 0,
@@ -202,6 +228,7 @@ PYBIND11_MODULE(_C, m) {
         a.lse = ptr<float>(lse);
         a.counts = ptr<int64_t>(counts);
         a.force_scalar = force_scalar;
+        a.num_threads = num_threads;
         py::gil_scoped_release nogil;
         sparse_decode(a);
       },
@@ -209,7 +236,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("scale"), py::arg("q"), py::arg("q_is_bf16"), py::arg("qcodes"), py::arg("qdc"), py::arg("segs"),
       py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"), py::arg("max_blocks"),
       py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("lse"), py::arg("counts"),
-      py::arg("force_scalar"));
+      py::arg("force_scalar"), py::arg("num_threads") = 0);
 
   m.def(
       "set_profiling",
@@ -227,5 +254,12 @@ PYBIND11_MODULE(_C, m) {
       },
       "Seconds per phase, summed over threads, since set_profiling(True).");
   m.def("active_isa", &active_isa);
+  m.def(
+      "max_threads", []() { return omp_get_max_threads(); },
+      "omp_get_max_threads(): the team size of a call that passes no num_threads (torch's OpenMP runtime, so "
+      "torch.set_num_threads changes it).");
+  m.def(
+      "last_team_size", []() { return g_last_team_size.load(); },
+      "Threads in the team of the unit loop of the last sparse_decode with any unit (0 before one; process-wide).");
   m.def("has_avx512", &cpu_has_avx512);
 }

@@ -3,11 +3,19 @@
 // Thread-safety contract:
 // - A Segment is immutable once build_segment / merge_segments return it: any number of
 //   concurrent sparse_decode calls (and merges) may read the same segment through SegmentPtr.
-// - build_segment, merge_segments, hash_rows and sparse_decode only read their inputs and write
+// - build_segment(_from_codes), merge_segments, hash_rows and sparse_decode only read their inputs and write
 //   their outputs; their per-thread scratch is thread_local, so concurrent calls do not interfere.
 // - The phase timers (g_profile, g_prof) are process-wide: concurrent profiled calls add into the
-//   same counters, and set_profiling from one caller resets them for all.
+//   same counters, and set_profiling from one caller resets them for all.  So is g_last_team_size:
+//   with concurrent calls it holds whichever sparse_decode recorded last.
+//
+// Threads: every entry point takes num_threads, and every OpenMP region it opens asks for a team of
+// that many threads (a num_threads clause), or omp_get_max_threads() when it is <= 0.  The
+// extension shares torch's OpenMP runtime, so the default follows torch.set_num_threads, which a
+// vLLM CUDA worker sets to 1: callers there pass their own count.
 #pragma once
+#include <omp.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +29,9 @@ namespace mp {
 constexpr int kMaxSegmentTokens = 32768;
 
 enum DType : int { BF16 = 0, FP16 = 1 };
+
+// The team size of a region opened for a caller that asked for `requested` threads.
+inline int team_size(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
 
 inline float bf16_to_f(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -130,8 +141,14 @@ void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint1
 
 // ---- segment building (segment.cpp) ----
 std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
-                                       const float* centre, const float* w, int K, int L, bool force_scalar);
-std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts);
+                                       const float* centre, const float* w, int K, int L, bool force_scalar,
+                                       int num_threads);
+// As build_segment, with the codes [hkv][L][n] given instead of hashed: code_bytes 2 reads them as
+// uint16, 4 as int32.  Throws std::invalid_argument if a code is outside [0, 2^K).
+std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d,
+                                                  int dtype, const float* centre, const void* codes, int code_bytes,
+                                                  int K, int L, int num_threads);
+std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, int num_threads);
 // Writes the per-token codes of table t (inverse of the bucket sort); used by merge and codes().
 void recover_codes(const Segment& s, int t, uint16_t* codes);
 
@@ -155,6 +172,7 @@ struct AttnArgs {
   float* lse;             // [R][H]
   int64_t* counts;        // [R][H]
   bool force_scalar;
+  int num_threads;  // <= 0: omp_get_max_threads()
 };
 void sparse_decode(const AttnArgs& args);
 
@@ -164,5 +182,7 @@ enum Phase : int { kPhaseLookup, kPhaseGatherLogits, kPhaseSoftmaxV, kPhaseMerge
 inline constexpr const char* kPhaseNames[kNumPhases] = {"lookup", "gather_logits", "softmax_v", "merge"};
 extern std::atomic<bool> g_profile;
 extern std::atomic<int64_t> g_prof[kNumPhases];
+// The team size of the unit loop of the last sparse_decode with any unit (0 before one); for tests.
+extern std::atomic<int> g_last_team_size;
 
 }  // namespace mp

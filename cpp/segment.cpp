@@ -1,4 +1,4 @@
-// Segment build (centre, hash, bucket sort) and merge.
+// Segment build (centre, hash, bucket sort), build from precomputed codes, and merge.
 #include <omp.h>
 
 #include <algorithm>
@@ -26,7 +26,7 @@ void recover_codes(const Segment& s, int t, uint16_t* codes) {
 
 // Stable counting sort of every (KV head, table) row of codes [hkv*L][n] into the CSR index.
 // Stability keeps ids ascending inside a bucket, which is what makes merge == concatenation.
-static void sort_tables(Segment& s, const uint16_t* codes) {
+static void sort_tables(Segment& s, const uint16_t* codes, int nt) {
   const int T = s.hkv * s.L, n = s.n;
   const uint32_t B = 1u << s.K;
   s.ids.assign(static_cast<size_t>(T) * n, 0);
@@ -40,7 +40,7 @@ static void sort_tables(Segment& s, const uint16_t* codes) {
     uc.resize(T);
     us.resize(T);
   }
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
   {
     std::vector<uint32_t> cnt(B + 1);
 #pragma omp for schedule(dynamic)
@@ -74,8 +74,10 @@ static void sort_tables(Segment& s, const uint16_t* codes) {
   }
 }
 
-std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
-                                       const float* centre, const float* w, int K, int L, bool force_scalar) {
+namespace {
+
+// A segment of n tokens with its mirror and norms sized; sort_tables fills the index.
+std::shared_ptr<Segment> new_segment(int n, int hkv, int d, int dtype, int K, int L) {
   auto sp = std::make_shared<Segment>();
   Segment& s = *sp;
   s.n = n;
@@ -87,39 +89,107 @@ std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* val
   s.kmir.resize(static_cast<size_t>(hkv) * n * d);
   s.vmir.resize(s.kmir.size());
   s.knorm.resize(static_cast<size_t>(hkv) * n);
+  return sp;
+}
+
+// Copies tokens [t0, t0 + T) of KV head h of keys/values [n][hkv][d] into the head-major mirror
+// and writes their centred-key norms |k - c| (fp32, summed in double).  kKeepCentred also leaves
+// the centred keys k - c in x [T][d] (fp32), for hashing.  Both builds go through here, so their
+// mirrors and norms are the same bits.
+template <bool kKeepCentred>
+void mirror_block(Segment& s, const uint16_t* keys, const uint16_t* values, const float* centre, int h, int t0, int T,
+                  float* x) {
+  const int n = s.n, hkv = s.hkv, d = s.d, dtype = s.dtype;
+  const float* c = centre + static_cast<size_t>(h) * d;
+  for (int t = 0; t < T; ++t) {
+    const size_t i = t0 + t, src = (i * hkv + h) * d, dst = (h * static_cast<size_t>(n) + i) * d;
+    std::memcpy(&s.kmir[dst], keys + src, d * 2);
+    std::memcpy(&s.vmir[dst], values + src, d * 2);
+    double ss = 0;
+    for (int j = 0; j < d; ++j) {
+      const float v = to_f(keys[src + j], dtype) - c[j];
+      if (kKeepCentred) x[static_cast<size_t>(t) * d + j] = v;
+      ss += static_cast<double>(v) * v;
+    }
+    s.knorm[h * static_cast<size_t>(n) + i] = static_cast<float>(std::sqrt(ss));
+  }
+}
+
+constexpr int kMirrorBlock = 64;  // tokens per job of the mirror (and hash) loop
+
+}  // namespace
+
+std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
+                                       const float* centre, const float* w, int K, int L, bool force_scalar,
+                                       int num_threads) {
+  const int nt = team_size(num_threads);
+  auto sp = new_segment(n, hkv, d, dtype, K, L);
+  Segment& s = *sp;
   std::vector<uint16_t> codes(static_cast<size_t>(hkv) * L * n);
-  const int TB = 64, nblk = (n + TB - 1) / TB;
-#pragma omp parallel
+  const int TB = kMirrorBlock, nblk = (n + TB - 1) / TB;
+#pragma omp parallel num_threads(nt)
   {
     std::vector<float> x(static_cast<size_t>(TB) * d);
     std::vector<uint16_t> cb(static_cast<size_t>(TB) * L);
 #pragma omp for schedule(dynamic)
     for (int job = 0; job < hkv * nblk; ++job) {
       const int h = job / nblk, t0 = (job % nblk) * TB, T = std::min(TB, n - t0);
-      const float* c = centre + static_cast<size_t>(h) * d;
-      for (int t = 0; t < T; ++t) {
-        const size_t i = t0 + t, src = (i * hkv + h) * d, dst = (h * static_cast<size_t>(n) + i) * d;
-        std::memcpy(&s.kmir[dst], keys + src, d * 2);
-        std::memcpy(&s.vmir[dst], values + src, d * 2);
-        double ss = 0;
-        for (int j = 0; j < d; ++j) {
-          const float v = to_f(keys[src + j], dtype) - c[j];
-          x[static_cast<size_t>(t) * d + j] = v;
-          ss += static_cast<double>(v) * v;
-        }
-        s.knorm[h * static_cast<size_t>(n) + i] = static_cast<float>(std::sqrt(ss));
-      }
+      mirror_block<true>(s, keys, values, centre, h, t0, T, x.data());
       hash_rows(x.data(), T, d, w, K, L, cb.data(), force_scalar);
       for (int t = 0; t < T; ++t)
         for (int l = 0; l < L; ++l)
           codes[(static_cast<size_t>(h) * L + l) * n + t0 + t] = cb[static_cast<size_t>(t) * L + l];
     }
   }
-  sort_tables(s, codes.data());
+  sort_tables(s, codes.data(), nt);
   return sp;
 }
 
-std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts) {
+std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d,
+                                                  int dtype, const float* centre, const void* codes, int code_bytes,
+                                                  int K, int L, int num_threads) {
+  if (code_bytes != 2 && code_bytes != 4)
+    throw std::invalid_argument("build_segment_from_codes: code_bytes must be 2 (uint16) or 4 (int32), got " +
+                                std::to_string(code_bytes));
+  const int nt = team_size(num_threads), T = hkv * L;
+  const uint32_t B = 1u << K;
+  // sort_tables indexes a 2^K counter array by code, so every code is checked here (fused with the
+  // int32 -> uint16 narrowing, which needs the pass anyway); uint16 codes are sorted in place.
+  const uint16_t* c16 = static_cast<const uint16_t*>(codes);
+  std::vector<uint16_t> narrowed;
+  int bad = 0;
+  if (code_bytes == 4) {
+    narrowed.resize(static_cast<size_t>(T) * n);
+    const int32_t* c32 = static_cast<const int32_t*>(codes);
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(| : bad)
+    for (int t = 0; t < T; ++t)
+      for (size_t i = static_cast<size_t>(t) * n, e = i + n; i < e; ++i) {
+        const uint32_t v = static_cast<uint32_t>(c32[i]);  // a negative code wraps to >= 2^K
+        bad |= v >= B;
+        narrowed[i] = static_cast<uint16_t>(v);
+      }
+    c16 = narrowed.data();
+  } else if (K < 16) {
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(| : bad)
+    for (int t = 0; t < T; ++t)
+      for (size_t i = static_cast<size_t>(t) * n, e = i + n; i < e; ++i) bad |= c16[i] >= B;
+  }
+  if (bad)
+    throw std::invalid_argument("build_segment_from_codes: codes must lie in [0, 2^K=" + std::to_string(B) + ")");
+  auto sp = new_segment(n, hkv, d, dtype, K, L);
+  Segment& s = *sp;
+  const int TB = kMirrorBlock, nblk = (n + TB - 1) / TB;
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
+  for (int job = 0; job < hkv * nblk; ++job) {
+    const int h = job / nblk, t0 = (job % nblk) * TB;
+    mirror_block<false>(s, keys, values, centre, h, t0, std::min(TB, n - t0), nullptr);
+  }
+  sort_tables(s, c16, nt);
+  return sp;
+}
+
+std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, int num_threads) {
+  const int nt = team_size(num_threads);
   if (parts.empty()) throw std::invalid_argument("merge_segments: no segments");
   const Segment& a = *parts[0];
   auto sp = std::make_shared<Segment>();
@@ -153,7 +223,7 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts) {
   // exactly "bucket b = concat of the children's bucket b" (ids ascending within children), with
   // no projection work; it also lets the merged segment pick its own directory form.
   std::vector<uint16_t> codes(static_cast<size_t>(T) * n);
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
   for (int t = 0; t < T; ++t) {
     size_t o = 0;
     for (auto& p : parts) {
@@ -161,7 +231,7 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts) {
       o += p->n;
     }
   }
-  sort_tables(s, codes.data());
+  sort_tables(s, codes.data(), nt);
   return sp;
 }
 

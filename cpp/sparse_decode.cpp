@@ -17,6 +17,7 @@ namespace mp {
 
 std::atomic<bool> g_profile{false};
 std::atomic<int64_t> g_prof[kNumPhases];
+std::atomic<int> g_last_team_size{0};
 
 namespace {
 
@@ -84,8 +85,12 @@ void sparse_decode(const AttnArgs& args) {
   std::vector<float> part_acc(part_max.size() * args.d);
   std::vector<int64_t> part_count(part_max.size(), 0);
 
-#pragma omp parallel for schedule(dynamic, 1)
+  // Every unit writes only its own partial slots and the merge below reads them in unit order, so
+  // the result does not depend on the team size or on which thread ran which unit.
+  const int nt = team_size(args.num_threads);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
   for (int oi = 0; oi < nu; ++oi) {
+    if (oi == 0) g_last_team_size.store(omp_get_num_threads(), std::memory_order_relaxed);
     const int ui = order[oi];
     const Unit& unit = units[ui];
     Scratch& scratch = tls_scratch;
@@ -126,7 +131,7 @@ void sparse_decode(const AttnArgs& args) {
 
   // LSE merge of the partials of each query head.
   PhaseTimer pt;
-#pragma omp parallel for
+#pragma omp parallel for num_threads(nt)
   for (int rh = 0; rh < args.R * args.H; ++rh) {
     const HeadGroups::Slot hs = groups.head_group(rh / args.H, rh % args.H);
     float M = NEG_INF;

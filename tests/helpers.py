@@ -54,3 +54,26 @@ def make_runtime(cfg=None, num_layers: int = 4):
     from vllm_magicpig.runtime import MagicPigRuntime
 
     return MagicPigRuntime(cfg if cfg is not None else MagicPigConfig(), num_layers=num_layers)
+
+
+def paged_attention_with_lse(query, kv, block_table, seq_lens, scale, max_seq_len=None):
+    """STAND-IN for FLASH_ATTN's paged decode with ``return_softmax_lse=True`` (the split decode's
+    exact part on the GPU), in plain torch: one query token per request attends the first
+    ``seq_lens[r]`` tokens of its block-table row. Returns (out ``[R, H, D]`` in the query's dtype,
+    natural-log lse ``[H, R]`` float32; -inf and zeros for an empty row)."""
+    R, H, D = query.shape
+    bs, hkv = kv.key.shape[1], kv.key.shape[2]
+    out = torch.zeros(R, H, D, dtype=torch.float32)
+    lse = torch.full((H, R), float("-inf"))
+    for r in range(R):
+        n = int(seq_lens[r])
+        if n == 0:
+            continue
+        blocks = block_table[r, : -(-n // bs)].long()
+        k = kv.key[blocks].reshape(-1, hkv, D)[:n].float()
+        v = kv.value[blocks].reshape(-1, hkv, D)[:n].float()
+        kv_head = torch.arange(H) // (H // hkv)
+        logits = torch.einsum("hd,nhd->hn", query[r].float(), k[:, kv_head]) * scale
+        lse[:, r] = torch.logsumexp(logits, dim=-1)
+        out[r] = torch.einsum("hn,nhd->hd", torch.softmax(logits, dim=-1), v[:, kv_head])
+    return out.to(query.dtype), lse

@@ -1,4 +1,4 @@
-"""On a platform MAGICPIG has no decode path for (CUDA, ROCm, ...), selecting it fails
+"""On a platform MAGICPIG has no decode path for (ROCm, XPU, ...), selecting it fails
 at start-up with a message naming the fix, instead of crashing at the first decode."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_non_cpu_platform_refuses_magicpig_at_startup(monkeypatch):
     def cfg(backend):
         return types.SimpleNamespace(attention_config=types.SimpleNamespace(backend=backend))
 
-    with pytest.raises(ValueError, match="CPU platform only.*fakegpu.*Drop --attention-backend MAGICPIG"):
+    with pytest.raises(ValueError, match="CPU platform.*and on CUDA.*fakegpu.*Drop --attention-backend MAGICPIG"):
         FakeGpuPlatform.check_and_update_config(cfg(AttentionBackendEnum["MAGICPIG"]))
     assert seen == []
     # other backends still reach the platform's own check

@@ -9,7 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 BACKEND_NAME = "MAGICPIG"
-BACKEND_PATH = "vllm_magicpig.backend.MagicPigBackend"
+BACKEND_PATH = "vllm_magicpig.backend.MagicPigBackend"  # vLLM's CPU platform
+BACKEND_PATH_CUDA = "vllm_magicpig.backend_cuda.MagicPigCudaBackend"  # vLLM's CUDA platform
 
 _VLLM_HINT = (
     "vllm-magicpig needs vLLM 0.32. On CPU: pip install 'vllm-magicpig[cpu]' "

@@ -58,6 +58,10 @@ class MagicPigConfig:
     and its segments (multi-turn chat over a cached document is not re-indexed)."""
     seed: int = 0
     """Seed of the shared Gaussian projection; same seed, same tokens."""
+    cpu_threads: int = 0
+    """Threads of the host kernel when the KV cache is on a GPU (vLLM runs CUDA workers' torch on
+    one thread); 0 = OMP_NUM_THREADS if set, else the worker's CPU affinity shared among the
+    node's workers. On vLLM's CPU platform the worker's own thread binding is used."""
     # --- observability ---
     log_stats_interval: int = 200
     """Log the counters every N engine steps (0 = never)."""
@@ -66,6 +70,8 @@ class MagicPigConfig:
     (the accuracy harness's 'topk' and 'quest' baselines)."""
     extra: tuple[tuple[str, Any], ...] = ()
     """Values given for the keys extensions registered, as (key, value) pairs."""
+    given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
+    """The keys the user set (a platform may size a default itself, e.g. the host index cap)."""
 
     def resolved_dense_layers(self, num_layers: int) -> frozenset[int]:
         if self.dense_layers is None:
@@ -83,12 +89,12 @@ class MagicPigConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The config as ``additional_config["magicpig"]`` would spell it."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "given")}
         out.update(self.options())
         return out
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(MagicPigConfig) if f.name != "extra"}
+_FIELDS = {f.name: f for f in dataclasses.fields(MagicPigConfig) if f.name not in ("extra", "given")}
 
 # (low, high) inclusive; None = unbounded.
 _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
@@ -102,6 +108,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "index_memory_mb": (1, None),
     "seed": (0, 2**63 - 1),
     "log_stats_interval": (0, None),
+    "cpu_threads": (0, 4096),
 }
 
 
@@ -202,7 +209,7 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = value
         else:  # pragma: no cover - every field is handled above
             raise AssertionError(key)
-    cfg = MagicPigConfig(**values, extra=tuple(sorted(extra.items())))
+    cfg = MagicPigConfig(**values, extra=tuple(sorted(extra.items())), given=frozenset(raw))
     if cfg.max_segment_tokens < cfg.segment_tokens:
         raise MagicPigConfigError(
             f"magicpig config: 'max_segment_tokens'={cfg.max_segment_tokens} must be >= "

@@ -3,6 +3,11 @@
 Everything is validated here, so the C++ side only ever sees well-formed pointers and sizes; a bad
 argument raises ``ValueError``/``TypeError`` instead of crashing the process.  This module must not
 import vLLM.
+
+Threads: every entry point with an OpenMP region takes ``num_threads``.  ``None`` runs on
+:func:`max_threads` threads, i.e. whatever torch/OpenMP says: the extension shares torch's OpenMP
+runtime, so ``torch.set_num_threads`` changes it, and a vLLM CUDA worker sets it to 1.  An int >= 1
+asks for that many threads whatever the current default is.
 """
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ import torch
 from . import _C, limits
 
 __all__ = [
-    "Segment", "build_segment", "merge_segments", "hash_codes", "sparse_decode_attention",
-    "active_isa", "profiling", "MAX_SEGMENT_TOKENS",
+    "Segment", "build_segment", "build_segment_from_codes", "merge_segments", "hash_codes",
+    "sparse_decode_attention", "active_isa", "max_threads", "profiling", "MAX_SEGMENT_TOKENS",
 ]
 
 MAX_SEGMENT_TOKENS = limits.MAX_SEGMENT_TOKENS
@@ -30,6 +35,12 @@ _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 def active_isa() -> str:
     """The fastest path this CPU runs: "avx512_bf16", "avx512" or "scalar"."""
     return _C.active_isa()
+
+
+def max_threads() -> int:
+    """The thread count of a call made with ``num_threads=None``: OpenMP's ``omp_get_max_threads()``
+    in the runtime torch shares (so 1 after ``torch.set_num_threads(1)``)."""
+    return _C.max_threads()
 
 
 @contextlib.contextmanager
@@ -133,12 +144,26 @@ def _check_head_dim(D):
         raise ValueError(f"head_dim must be a positive multiple of 16, got {D}")
 
 
-# ----------------------------------------------------------------------------- segments and hashing
-def build_segment(keys, values, centre, projection, K: int, L: int, *, force_scalar: bool = False) -> Segment:
-    """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table.
+# A bound on num_threads, far above any CPU's hardware threads: OpenMP aborts the process when it
+# cannot create the threads a region asks for, so a typo such as 10**6 must not reach it.
+_MAX_THREADS = 4096
 
-    ``force_scalar`` hashes with the portable path even where AVX-512 is available (for tests)."""
-    _check_kl(K, L)
+
+def _threads(num_threads) -> int:
+    """The C++ thread argument: 0 (the OpenMP default) for None, else a validated int >= 1."""
+    if num_threads is None:
+        return 0
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise TypeError(f"num_threads must be None or an int >= 1, got {type(num_threads).__name__} "
+                        f"{num_threads!r}")
+    if not 1 <= num_threads <= _MAX_THREADS:
+        raise ValueError(f"num_threads must be None or an int in 1..{_MAX_THREADS}, got {num_threads}")
+    return num_threads
+
+
+def _check_kv(keys, values, centre):
+    """keys/values [n, Hkv, D] bf16/fp16 and centre fp32 [Hkv, D], as a segment build takes them;
+    returns (n, Hkv, D)."""
     _tensor("keys", keys)
     _tensor("values", values)
     _dtype("keys", keys, tuple(_DTYPE_CODE))
@@ -154,15 +179,59 @@ def build_segment(keys, values, centre, projection, K: int, L: int, *, force_sca
     _tensor("centre", centre)
     _dtype("centre", centre, (torch.float32,))
     _shape("centre", centre, (hkv, D))
+    return n, hkv, D
+
+
+# ----------------------------------------------------------------------------- segments and hashing
+def build_segment(keys, values, centre, projection, K: int, L: int, *, force_scalar: bool = False,
+                  num_threads: int | None = None) -> Segment:
+    """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table.
+
+    ``force_scalar`` hashes with the portable path even where AVX-512 is available (for tests)."""
+    _check_kl(K, L)
+    n, hkv, D = _check_kv(keys, values, centre)
     projection = _check_projection(projection, D, K, L)
+    nt = _threads(num_threads)
     keys, values, centre = keys.contiguous(), values.contiguous(), centre.contiguous()
     c = _C.build_segment(keys.data_ptr(), values.data_ptr(), n, hkv, D, _DTYPE_CODE[keys.dtype],
-                         centre.data_ptr(), projection.data_ptr(), K, L, bool(force_scalar))
+                         centre.data_ptr(), projection.data_ptr(), K, L, bool(force_scalar), nt)
     return Segment(c)
 
 
-def merge_segments(segments: Sequence[Segment]) -> Segment:
+# Code dtypes build_segment_from_codes takes, by element size; int16 holds uint16 bit patterns.
+_CODE_BYTES = {torch.int32: 4, torch.int16: 2}
+
+
+def build_segment_from_codes(keys, values, centre, codes, K: int, L: int, *,
+                             num_threads: int | None = None) -> Segment:
+    """:func:`build_segment` with the codes of (k - c) given instead of a projection (they were
+    hashed elsewhere, e.g. on the GPU next to the cache): the same mirror, centred-key norms and
+    bucket sort, no hashing.
+
+    ``codes`` is ``[Hkv, L, n]``, the layout :meth:`Segment.codes` returns: int32 in
+    ``[0, 2^K)``, or int16 holding the uint16 bit patterns (so ``K = 16`` codes >= 2^15 are
+    negative int16).  Given ``seg.codes()`` of a segment built from the same keys, values and
+    centre, the result equals ``seg`` (codes, index, mirror, norms)."""
+    _check_kl(K, L)
+    n, hkv, D = _check_kv(keys, values, centre)
+    _tensor("codes", codes)
+    _dtype("codes", codes, tuple(_CODE_BYTES))
+    _shape("codes", codes, (hkv, L, n))
+    nt = _threads(num_threads)
+    if not (codes.dtype == torch.int16 and K == 16):  # else every int16 bit pattern is a code
+        lo, hi = (int(v) for v in torch.aminmax(codes))
+        if lo < 0 or hi >= (1 << K):
+            raise ValueError(f"codes must lie in [0, 2^K={1 << K}) (int16 codes read as uint16 bit patterns), "
+                             f"got min {lo}, max {hi}")
+    keys, values, centre, codes = keys.contiguous(), values.contiguous(), centre.contiguous(), codes.contiguous()
+    c = _C.build_segment_from_codes(keys.data_ptr(), values.data_ptr(), n, hkv, D, _DTYPE_CODE[keys.dtype],
+                                    centre.data_ptr(), codes.data_ptr(), _CODE_BYTES[codes.dtype], K, L, nt)
+    return Segment(c)
+
+
+def merge_segments(segments: Sequence[Segment], num_threads: int | None = None) -> Segment:
     """Concatenate segments in order without re-hashing (bucket b = concat of the children's b)."""
+    nt = _threads(num_threads)
     segments = list(segments)
     if not segments:
         raise ValueError("merge_segments needs at least one segment")
@@ -177,10 +246,11 @@ def merge_segments(segments: Sequence[Segment]) -> Segment:
     total = sum(s.num_tokens for s in segments)
     if total > MAX_SEGMENT_TOKENS:
         raise ValueError(f"merged segment would hold {total} tokens, more than {MAX_SEGMENT_TOKENS}")
-    return Segment(_C.merge_segments([s._c for s in segments]))
+    return Segment(_C.merge_segments([s._c for s in segments], nt))
 
 
-def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False) -> torch.Tensor:
+def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False,
+               num_threads: int | None = None) -> torch.Tensor:
     """int32 [N, L] SimHash codes of rows x [N, D], with the same arithmetic as the segment build
     (given the same ``force_scalar``)."""
     _check_kl(K, L)
@@ -190,23 +260,27 @@ def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False) -> 
         raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
     N, D = x.shape
     projection = _check_projection(projection, D, K, L)
+    nt = _threads(num_threads)
     x = x.to(torch.float32).contiguous()
     out = torch.empty(N, L, dtype=torch.int32)
     if N:
-        _C.hash_codes(x.data_ptr(), N, D, projection.data_ptr(), K, L, out.data_ptr(), bool(force_scalar))
+        _C.hash_codes(x.data_ptr(), N, D, projection.data_ptr(), K, L, out.data_ptr(), bool(force_scalar), nt)
     return out
 
 
 # ----------------------------------------------------------------------------- decode attention
 def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache, *,
                             block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
-                            sampled_counts=None, force_scalar: bool = False, check_values: bool = True) -> None:
+                            sampled_counts=None, force_scalar: bool = False, check_values: bool = True,
+                            num_threads: int | None = None) -> None:
     """MagicPIG decode attention for R requests (one query token each); writes ``out`` (and ``lse``,
     ``sampled_counts``).  See the module docs of the package README for the estimator.
 
     Everything after ``value_cache`` is keyword-only, so each call names its tensors, scalars and
-    outputs rather than relying on the order of a dozen similar arguments."""
+    outputs rather than relying on the order of a dozen similar arguments.  The result does not
+    depend on ``num_threads`` (bit for bit)."""
     _check_kl(K, L)
+    nt = _threads(num_threads)
     for name, t in (("query", query), ("query_codes", query_codes), ("query_dot_centre", query_dot_centre),
                     ("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table),
                     ("dense_ranges", dense_ranges), ("out", out)):
@@ -281,7 +355,7 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
                      key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
                      list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
                      o.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                     0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar))
+                     0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt)
     if not direct:
         out.copy_(o)
 

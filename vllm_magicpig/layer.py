@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_magicpig import (
-    decode_methods,
-    magicpig_decode,  # noqa: F401  (registers the production method)
-)
+from vllm_magicpig import magicpig_decode  # noqa: F401  (registers the production method)
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
 from vllm_magicpig.kv_layout import KVViews
 from vllm_magicpig.planner import DecodePlan
@@ -37,7 +34,7 @@ class SparseLayer:
         ctx = self.ctx
         R, H, D = plan.num_decodes, ctx.num_heads, ctx.head_size
         q, out = query.view(R, H, D), output.view(R, H, D)
-        method = decode_methods.get_method(plan.settings.method)
+        method = ctx.runtime.decode_method(plan.settings.method)
         result = method.forward(ctx, q, kv, plan, out)
         self._account(plan, result, label=result.label or method.name)
         for observer in ctx.runtime.observers:

