@@ -12,7 +12,7 @@ import vllm_magicpig
 
 vllm_magicpig.require_vllm()
 
-from vllm.v1.attention.backend import AttentionType, MultipleOf  # noqa: E402
+from vllm.v1.attention.backend import MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -24,7 +24,6 @@ from vllm_magicpig.backend_common import (  # noqa: E402
     MagicPigDeclarations,
     MagicPigImplMixin,
     MagicPigMetadata,
-    check_layer_features,
 )
 from vllm_magicpig.config import MagicPigConfigError  # noqa: E402
 
@@ -63,9 +62,4 @@ class MagicPigMetadataBuilder(MagicPigBuilderMixin, CPUAttentionMetadataBuilder)
 
 
 class MagicPigImpl(MagicPigImplMixin, CPUAttentionBackendImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None, **kwargs) -> None:
-        check_layer_features(alibi_slopes, sliding_window, sinks, logits_soft_cap)
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+    """vLLM's CPU attention impl, with MAGICPIG's decode for sparse layers (the mixin)."""

@@ -192,8 +192,16 @@ class MagicPigImplMixin:
     """Exact parts go to the platform's own kernel (``super().forward``) unchanged; decode rows of
     sparse layers go to the layer's SparseLayer."""
 
-    layer_index: int | None = None
-    sparse_layer: SparseLayer | None = None
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None, **kwargs) -> None:
+        check_layer_features(alibi_slopes, sliding_window, sinks, logits_soft_cap)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        # Which layer this is, and whether it is dense, is known at the first forward (from the
+        # layer's name and the runtime on the metadata).
+        self.layer_index: int | None = None
+        self.sparse_layer: SparseLayer | None = None
 
     def _resolve_layer(self, layer, rt: MagicPigRuntime) -> None:
         from vllm.model_executor.models.utils import extract_layer_index

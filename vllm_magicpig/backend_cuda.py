@@ -19,7 +19,7 @@ import vllm_magicpig
 
 vllm_magicpig.require_vllm()
 
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import (  # noqa: E402
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -31,7 +31,6 @@ from vllm_magicpig.backend_common import (  # noqa: E402
     MagicPigDeclarations,
     MagicPigImplMixin,
     MagicPigMetadata,
-    check_layer_features,
 )
 from vllm_magicpig.kv_layout import FlashLayout, KVViews  # noqa: E402
 from vllm_magicpig.ops import CpuKernelOps  # noqa: E402
@@ -137,9 +136,4 @@ class MagicPigCudaMetadataBuilder(MagicPigBuilderMixin, FlashAttentionMetadataBu
 
 
 class MagicPigCudaImpl(MagicPigImplMixin, FlashAttentionImpl):
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None, **kwargs) -> None:
-        check_layer_features(alibi_slopes, sliding_window, sinks, logits_soft_cap)
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+    """FLASH_ATTN's impl, with MAGICPIG's split decode for sparse layers (the mixin)."""

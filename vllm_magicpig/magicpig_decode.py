@@ -9,6 +9,7 @@ do not fit under ``index_memory_mb`` is served that way too (reason ``evicted``)
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +30,39 @@ def no_centre(ctx: LayerContext, spec: CentreSpec, kv: KVViews) -> torch.Tensor:
     return torch.zeros(ctx.num_kv_heads, ctx.head_size, dtype=torch.float32)
 
 
+def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: Callable[[CentreSpec], Any],
+                          make_build: Callable[[Any], Callable[[SegmentRef], Any]]):
+    """For every request planned sparse: its centre and segments from the index, built on first
+    need (``compute_centre(spec)``; ``make_build(centre)(ref)``). A request whose segments do not
+    fit under ``index_memory_mb`` gets its whole context as the exact range instead.
+
+    Returns (segments per request, centre per served request, exact ranges, DecodeResult with
+    ``served`` and ``exact`` filled in).
+    """
+    rt = ctx.runtime
+    index = rt.index
+    dense = plan.dense_ranges
+    segments: list[list] = [[] for _ in range(plan.num_decodes)]
+    centres: dict[int, Any] = {}
+    result = DecodeResult(served=[])
+    for r in plan.sparse:
+        centre = index.centre(ctx.name, plan.centres[r], compute_centre)
+        refs = plan.segments[r]
+        build = make_build(centre)
+        segs = [index.get_or_build(ctx.name, ref, build, rt.ops.merge_segments) for ref in refs]
+        if not index.reserve(ctx.name, refs, rt.cap_bytes):
+            # Over the memory cap with everything in use: attend the whole context exactly.
+            if dense is plan.dense_ranges:
+                dense = dense.clone()
+            dense[r, 0, 1] = dense[r, 1, 0] = plan.seq_lens[r]
+            result.exact[r] = EXACT_EVICTED
+            continue
+        segments[r] = segs
+        centres[r] = centre
+        result.served.append(r)
+    return segments, centres, dense, result
+
+
 class MagicPigDecode:
     name = decode_methods.MAGICPIG
 
@@ -36,34 +70,21 @@ class MagicPigDecode:
                 out: torch.Tensor) -> DecodeResult:
         rt, st = ctx.runtime, ctx.settings
         R, H, D = query.shape
-        index, ops = rt.index, rt.ops
+        ops = rt.ops
         centring = decode_methods.get_centring(st.centering)
-        dense = plan.dense_ranges
-        segments: list[list] = [[] for _ in range(R)]
-        centres = torch.zeros(R, ctx.num_kv_heads, 1, D, dtype=torch.float32)
-        result = DecodeResult(served=[])
 
-        def build(centre):
-            def build_ref(ref: SegmentRef):
+        def make_build(centre):
+            def build(ref: SegmentRef):
                 _, start, size, blocks = ref.key
                 lo, hi = ref.first_token - start, size  # offsets inside the block run
                 return ops.build_segment(gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi), centre,
                                          ctx.projection, st.K, st.L)
-            return build_ref
+            return build
 
-        for r in plan.sparse:
-            centre = index.centre(ctx.name, plan.centres[r], lambda spec: centring(ctx, spec, kv))
-            refs = plan.segments[r]
-            segs = [index.get_or_build(ctx.name, ref, build(centre), ops.merge_segments) for ref in refs]
-            if not index.reserve(ctx.name, refs, rt.cap_bytes):
-                # Over the memory cap with everything in use: attend the whole context exactly.
-                if dense is plan.dense_ranges:
-                    dense = dense.clone()
-                dense[r, 0, 1] = dense[r, 1, 0] = plan.seq_lens[r]
-                result.exact[r] = EXACT_EVICTED
-                continue
-            segments[r] = segs
-            result.served.append(r)
+        segments, served_centres, dense, result = index_sparse_requests(
+            ctx, plan, lambda spec: centring(ctx, spec, kv), make_build)
+        centres = torch.zeros(R, ctx.num_kv_heads, 1, D, dtype=torch.float32)
+        for r, centre in served_centres.items():
             centres[r, :, 0] = centre
         # q . c for every (request, query head) at once; zero for exact requests
         qdc = (query.to(torch.float32).view(R, ctx.num_kv_heads, ctx.group, D) * centres).sum(-1).view(R, H)

@@ -26,8 +26,8 @@ from vllm_magicpig import decode_methods, device_ops
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
 from vllm_magicpig.index import SegmentRef
 from vllm_magicpig.kv_layout import KVViews, gather
+from vllm_magicpig.magicpig_decode import index_sparse_requests
 from vllm_magicpig.planner import DecodePlan
-from vllm_magicpig.stats import EXACT_EVICTED
 
 
 class SplitMagicPigDecode:
@@ -48,38 +48,28 @@ class SplitMagicPigDecode:
         rt, st = ctx.runtime, ctx.settings
         R, H, D = query.shape
         hkv, device = ctx.num_kv_heads, query.device
-        index, ops = rt.index, rt.ops
+        ops = rt.ops
         centring = decode_methods.get_centring(st.centering)
         proj = self._projection(ctx, device)
-        dense = plan.dense_ranges
-        segments: list[list] = [[] for _ in range(R)]
-        centres = torch.zeros(R, hkv, 1, D, dtype=torch.float32, device=device)
-        result = DecodeResult(served=[])
 
         def both_copies(spec):  # the centre on the device (q . c, key codes) and on the host (norms)
             c = centring(ctx, spec, kv).to(torch.float32)
             return c, c.cpu()
 
-        for r in plan.sparse:
-            centre, centre_host = index.centre(ctx.name, plan.centres[r], both_copies)
+        def make_build(centre_pair):
+            centre, centre_host = centre_pair
 
-            def build(ref: SegmentRef, centre=centre, centre_host=centre_host):
+            def build(ref: SegmentRef):
                 _, start, size, blocks = ref.key
                 lo, hi = ref.first_token - start, size
                 keys, values = gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi)
                 codes = device_ops.centred_key_codes(keys, centre, proj, st.K, st.L)
                 return ops.build_segment_from_codes(keys.cpu(), values.cpu(), centre_host, codes.cpu(), st.K, st.L)
+            return build
 
-            refs = plan.segments[r]
-            segs = [index.get_or_build(ctx.name, ref, build, ops.merge_segments) for ref in refs]
-            if not index.reserve(ctx.name, refs, rt.cap_bytes):
-                if dense is plan.dense_ranges:
-                    dense = dense.clone()
-                dense[r, 0, 1] = dense[r, 1, 0] = plan.seq_lens[r]
-                result.exact[r] = EXACT_EVICTED
-                continue
-            segments[r] = segs
-            result.served.append(r)
+        segments, served_centres, dense, result = index_sparse_requests(ctx, plan, both_copies, make_build)
+        centres = torch.zeros(R, hkv, 1, D, dtype=torch.float32, device=device)
+        for r, (centre, _) in served_centres.items():
             centres[r, :, 0] = centre
 
         t0 = time.perf_counter()
