@@ -82,6 +82,9 @@ class Stats:
                 "prefill_chunks": self.prefill_chunks,
                 "layer_calls": dict(self.layer_calls),
                 "sampled_fraction": self.sampled_fraction(),
+                # raw sums, so a dashboard can take the fraction over a window (rate / rate)
+                "sampled_keys": sum(v[0] for v in self.sampled.values()),
+                "candidate_keys": sum(v[1] for v in self.sampled.values()),
                 "sampled_fraction_per_layer": per_layer,
                 "index": dict(self.index),
                 "index_bytes": self.index_bytes,
