@@ -173,10 +173,19 @@ def test_reused_blocks_never_serve_stale_segments(small_cache_llm):
     assert st["decode_sparse"] > 0
 
 
-def _forced(model_path, K, L):
+def _forced(model_path):
     # Everything after the sinks and the local window is sampled.
-    return make_llm(model_path, magicpig={"K": K, "L": L, "min_sparse_context": 0, "segment_tokens": 128,
-                                          "log_stats_interval": 0}, max_model_len=4096)
+    return make_llm(model_path, magicpig={"min_sparse_context": 0, "segment_tokens": 128, "log_stats_interval": 0},
+                    max_model_len=4096)
+
+
+def _with_kl(llm, prompt, K, L):
+    """Decode with (K, L) set at run time (the evaluation seam; it clears the index, whose
+    segments were hashed with the previous settings): one engine serves both settings."""
+    llm.collective_rpc("magicpig_set_eval", kwargs={"K": K, "L": L})
+    _reset(llm)
+    out = _generate(llm, [prompt], max_tokens=16)[0]
+    return out, stats(llm)
 
 
 def test_forced_sparse_tiny_L_differs_and_huge_L_matches_exact(model_path, exact_llm):
@@ -185,14 +194,10 @@ def test_forced_sparse_tiny_L_differs_and_huge_L_matches_exact(model_path, exact
     ref = _generate(exact_llm, [prompt], max_tokens=16)[0]
     assert prompt.pass_key in ref.text
 
-    tiny = _forced(model_path, K=10, L=2)
-    out_tiny = _generate(tiny, [prompt], max_tokens=16)[0]
-    st_tiny = stats(tiny)
-    del tiny
-    huge = _forced(model_path, K=1, L=64)
-    out_huge = _generate(huge, [prompt], max_tokens=16)[0]
-    st_huge = stats(huge)
-    del huge
+    forced = _forced(model_path)
+    out_tiny, st_tiny = _with_kl(forced, prompt, K=10, L=2)
+    out_huge, st_huge = _with_kl(forced, prompt, K=1, L=64)
+    del forced
 
     assert st_tiny["decode_sparse"] > 0 and st_huge["decode_sparse"] > 0
     assert st_tiny["sampled_fraction"] < 0.01, st_tiny["sampled_fraction"]
