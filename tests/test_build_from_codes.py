@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernel import PATHS, make_keys, new_seed
 
 from vllm_magicpig import kernel as kx
 
 from helpers import to_paged
+from test_kernel import PATHS, make_keys, new_seed
 
 SINK, TAIL, G = 4, 4, 2  # dense tokens before / after the segment; query heads per KV head
 

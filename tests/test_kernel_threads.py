@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kernel import PATHS, Case, new_seed
 
 from vllm_magicpig import kernel as kx
+
+from test_kernel import PATHS, Case, new_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
