@@ -6,21 +6,23 @@ import torch
 from vllm_magicpig.kv_layout import CpuVecLayout
 
 
-def to_paged(contexts, block_size, spare_blocks=3, generator=None):
+def to_paged(contexts, block_size, spare_blocks=3, generator=None, layout=None):
     """Scatter contiguous contexts (a list of (keys, values), each [n_r, Hkv, D]) into one paged
-    cache in vLLM's CPU ("vec") layout, with random physical block ids and junk elsewhere.
+    cache in one of vLLM's layouts (default: the CPU "vec" one), with random physical block ids
+    and junk elsewhere.
 
     Returns (key_view, value_view, block_table int32 [R, max_blocks], cache); the views are the
-    ``CpuVecLayout`` views the backend passes to the kernel.
+    layout's views, the ones the backend passes to the kernel.
     """
+    layout = layout if layout is not None else CpuVecLayout()
     hkv, D = contexts[0][0].shape[1:]
     dtype = contexts[0][0].dtype
     nblk = [max(1, -(-k.shape[0] // block_size)) for k, _ in contexts]
     total = sum(nblk) + spare_blocks
     perm = torch.randperm(total, generator=generator)
-    shape = CpuVecLayout.cache_shape(total, block_size, hkv, D)
+    shape = layout.cache_shape(total, block_size, hkv, D)
     cache = torch.randn(*shape, generator=generator).to(dtype)
-    views = CpuVecLayout().views(cache)
+    views = layout.views(cache)
     bt = torch.zeros(len(contexts), max(nblk), dtype=torch.int32)
     p = 0
     for r, (k, v) in enumerate(contexts):

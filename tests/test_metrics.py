@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -21,31 +16,18 @@ from types import SimpleNamespace
 import pytest
 import requests
 from prometheus_client import REGISTRY, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_magicpig.metrics import Exporter, MagicPigStatLogger
+
+from openai_server import launch, stop, wait_healthy
+from openai_server import metric_samples as samples
+from openai_server import metric_value as value
 
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def samples(text: str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, frozenset of labels): value} of a Prometheus text exposition."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def value(scraped: dict, name: str, **labels) -> float | None:
-    """The sum of the samples called ``name`` whose labels include ``labels`` (None: no sample)."""
-    want = set(labels.items())
-    vals = [v for (n, lab), v in scraped.items() if n == name and want <= lab]
-    return sum(vals) if vals else None
-
-
 def scrape_registry() -> dict:
-    return samples(generate_latest(REGISTRY).decode())
+    return samples(generate_latest(REGISTRY).decode())  # the API server's own registry
 
 
 def snapshot(steps=10, sparse=0, exact=None, index=None, frac=None, index_bytes=0, build=0.0, **extra) -> dict:
@@ -236,48 +218,15 @@ def test_logger_survives_a_failing_rpc():
 
 # --- the OpenAI server ------------------------------------------------------------------------
 
-STARTUP_TIMEOUT_S = 180
 PROMPT_TOKENS = 2048
 SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Terminate the server's process group (API server, engine core, worker)."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 @pytest.mark.server
 def test_metrics_endpoint_carries_magicpig_counters(model_path, tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-        "--attention-backend", "MAGICPIG", "--additional-config", json.dumps({"magicpig": SERVER_CFG}),
-        "--enforce-eager", "--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1",
-    ]
     # VLLM_LOG_STATS_INTERVAL: vLLM's stat logging interval, which also paces the MAGICPIG fetches
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1", VLLM_LOG_STATS_INTERVAL="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def tail(n: int = 60) -> str:
-        return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-n:])
-
+    srv = launch(model_path, tmp_path / "server.log", SERVER_CFG, VLLM_LOG_STATS_INTERVAL="1")
+    url, tail = srv.url, srv.tail
     try:
         from transformers import AutoTokenizer
 
@@ -285,18 +234,7 @@ def test_metrics_endpoint_carries_magicpig_counters(model_path, tmp_path):
 
         # built while the server starts
         prompt = passkey.build(AutoTokenizer.from_pretrained(model_path), PROMPT_TOKENS, seed=3, depth=0.4)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with rc={proc.returncode} during start-up; log tail:\n{tail()}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s; log tail:\n{tail()}")
-            time.sleep(1)
+        wait_healthy(srv)
 
         r = requests.post(f"{url}/v1/completions", timeout=300, json={
             "model": model_path, "prompt": prompt.text, "max_tokens": 6, "temperature": 0})
@@ -320,9 +258,9 @@ def test_metrics_endpoint_carries_magicpig_counters(model_path, tmp_path):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        log_text = Path(log_path).read_text(errors="replace")
+        log_text = srv.log()
     finally:
-        _stop(proc)
+        stop(srv.proc)
 
     assert "Cannot use MAGICPIG backend on CPU" not in log_text, "vLLM silently fell back to CPU_ATTN"
     assert "MAGICPIG stats:" in log_text, "the worker's stats log line is gone"

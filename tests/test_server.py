@@ -8,98 +8,27 @@ every engine step).
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
+from openai_server import Server, launch, stop, wait_healthy
+
 pytestmark = pytest.mark.server
 
-STARTUP_TIMEOUT_S = 180
 MAGICPIG_CFG = {"K": 10, "L": 150, "log_stats_interval": 1}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, model: str):
-        self.proc, self.url, self.log_path, self.model = proc, url, log_path, model
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n: int = 80) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Terminate the server's whole process group (API server, engine core, worker)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # leftovers of the group (children outliving the API server), then the leader
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_path,
-        "--attention-backend", "MAGICPIG",
-        "--additional-config", json.dumps({"magicpig": MAGICPIG_CFG}),
-        "--enforce-eager",
-        "--max-model-len", "4096",
-        "--port", str(port),
-        "--host", "127.0.0.1",
-    ]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # own process group, killed as a whole
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path, model_path)
+    srv = launch(model_path, tmp_path_factory.mktemp("server") / "server.log", MAGICPIG_CFG)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with rc={proc.returncode} during start-up; log tail:\n{srv.tail()}")
-            try:
-                if requests.get(f"{srv.url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s; log tail:\n{srv.tail()}")
-            time.sleep(1)
+        wait_healthy(srv)
         yield srv
     finally:
-        _stop(proc)
+        stop(srv.proc)
 
 
 def _post(server: Server, path: str, body: dict) -> dict:

@@ -16,68 +16,20 @@ Two halves:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import Server, _free_port, _stop
+from openai_server import Server, healthy, launch, metric_value, scrape, stop, wait_healthy
 
 pytestmark = pytest.mark.server
 
-STARTUP_TIMEOUT_S = 180
 BAD_CONFIG_TIMEOUT_S = 90
 MAX_MODEL_LEN = 4096
 SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1}
-
-
-def _cmd(model_path: str, port: int, magicpig: dict) -> list[str]:
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-        "--attention-backend", "MAGICPIG", "--additional-config", json.dumps({"magicpig": magicpig}),
-        "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--port", str(port), "--host", "127.0.0.1",
-    ]
-
-
-def _env() -> dict:
-    # VLLM_LOG_STATS_INTERVAL paces vLLM's stat loggers, and with them MAGICPIG's /metrics fetches.
-    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1", VLLM_LOG_STATS_INTERVAL="1")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
-
-
-def _wait_healthy(srv: Server, timeout_s: float) -> float:
-    """Seconds until /health answered 200; fails with the log tail if the server died or hung."""
-    t0 = time.monotonic()
-    while not _healthy(srv.url):
-        if srv.proc.poll() is not None:
-            pytest.fail(f"server exited with rc={srv.proc.returncode} during start-up; log tail:\n{srv.tail()}")
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"server not healthy after {timeout_s}s; log tail:\n{srv.tail()}")
-        time.sleep(1)
-    return time.monotonic() - t0
-
-
-def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    text = requests.get(f"{url}/metrics", timeout=10).text
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _metric(scraped: dict, name: str, **labels) -> float | None:
-    """Sum of the samples called ``name`` whose labels include ``labels`` (None: no such sample)."""
-    want = set(labels.items())
-    vals = [v for (n, lab), v in scraped.items() if n == name and want <= lab]
-    return sum(vals) if vals else None
+# VLLM_LOG_STATS_INTERVAL paces vLLM's stat loggers, and with them MAGICPIG's /metrics fetches.
+STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
 
 
 def _error_message(r: requests.Response) -> str:
@@ -98,22 +50,18 @@ def _error_message(r: requests.Response) -> str:
     ({"num_tables": 150}, ["unknown key(s) 'num_tables'"]),
 ], ids=["K0", "unknown_key"])
 def test_bad_additional_config_exits_at_startup(model_path, tmp_path, magicpig, expected):
-    port = _free_port()
-    log_path = tmp_path / "server.log"
     t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(_cmd(model_path, port, magicpig), stdout=log, stderr=subprocess.STDOUT,
-                                env=_env(), start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path, model_path)
+    srv = launch(model_path, tmp_path / "server.log", magicpig, max_model_len=MAX_MODEL_LEN, **STATS_ENV)
+    proc = srv.proc
     became_healthy = False
     try:
         while proc.poll() is None and time.monotonic() - t0 < BAD_CONFIG_TIMEOUT_S:
-            became_healthy |= _healthy(srv.url)
+            became_healthy |= healthy(srv.url)
             time.sleep(0.5)
         elapsed = time.monotonic() - t0
         rc = proc.poll()
     finally:
-        _stop(proc)
+        stop(proc)
     out = srv.log()
     assert rc is not None, f"still running after {BAD_CONFIG_TIMEOUT_S}s; log tail:\n{srv.tail()}"
     assert rc != 0, f"exited with rc=0; log tail:\n{srv.tail()}"
@@ -130,17 +78,13 @@ def test_bad_additional_config_exits_at_startup(model_path, tmp_path, magicpig, 
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server_bad_input") / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(_cmd(model_path, port, SERVER_CFG), stdout=log, stderr=subprocess.STDOUT,
-                                env=_env(), start_new_session=True)  # own process group, killed as a whole
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path, model_path)
+    srv = launch(model_path, tmp_path_factory.mktemp("server_bad_input") / "server.log", SERVER_CFG,
+                 max_model_len=MAX_MODEL_LEN, **STATS_ENV)
     try:
-        print(f"\nserver healthy after {_wait_healthy(srv, STARTUP_TIMEOUT_S):.1f}s")
+        print(f"\nserver healthy after {wait_healthy(srv):.1f}s")
         yield srv
     finally:
-        _stop(proc)
+        stop(srv.proc)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +162,7 @@ def test_still_serving_after_bad_requests(server):
 def test_stream_client_disconnect_is_aborted(server, passkey_prompt):
     """A streaming client that hangs up after the first chunk: the request is aborted (not decoded
     to its 2000 tokens), and the engine serves the next request."""
-    gen_before = _metric(_scrape(server.url), "vllm:generation_tokens_total") or 0
+    gen_before = metric_value(scrape(server.url), "vllm:generation_tokens_total") or 0
     t0 = time.monotonic()
     r = requests.post(f"{server.url}/v1/completions", stream=True, timeout=300, json={
         "model": server.model, "prompt": passkey_prompt.text, "max_tokens": 2000, "ignore_eos": True,
@@ -235,16 +179,16 @@ def test_stream_client_disconnect_is_aborted(server, passkey_prompt):
     t1 = time.monotonic()
     last = None
     while True:
-        s = _scrape(server.url)
-        gen = _metric(s, "vllm:generation_tokens_total") or 0
+        s = scrape(server.url)
+        gen = metric_value(s, "vllm:generation_tokens_total") or 0
         if gen == last:
             break
         assert time.monotonic() - t1 < 60, f"still generating ({gen} tokens); log tail:\n{server.tail()}"
         last = gen
         time.sleep(2)
     generated = gen - gen_before
-    running = _metric(s, "vllm:num_requests_running")
-    aborted = _metric(s, "vllm:request_success_total", finished_reason="abort")
+    running = metric_value(s, "vllm:num_requests_running")
+    aborted = metric_value(s, "vllm:request_success_total", finished_reason="abort")
     print(f"\nfirst chunk after {t_first:.1f}s; generation stopped within {time.monotonic() - t1:.1f}s of the "
           f"disconnect after {generated:.0f} tokens; running={running}, finished_reason=abort: {aborted}")
     assert generated < 1000, f"the disconnected request was not aborted: {generated} tokens generated"
@@ -264,8 +208,8 @@ def test_magicpig_decoded_sparsely(server, passkey_prompt):
     # The stat logger fetches the workers' counters at most once a second, and once after idling.
     deadline = time.monotonic() + 30
     while True:
-        s = _scrape(server.url)
-        sparse = _metric(s, "vllm:magicpig_decodes_total", served="sparse") or 0
+        s = scrape(server.url)
+        sparse = metric_value(s, "vllm:magicpig_decodes_total", served="sparse") or 0
         if sparse > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -274,7 +218,7 @@ def test_magicpig_decoded_sparsely(server, passkey_prompt):
     print(f"\n/metrics: {mp}")
     assert "Cannot use MAGICPIG backend on CPU" not in log, "vLLM silently fell back to CPU_ATTN"
     assert sparse > 0, f"no sparse decode in /metrics: {mp}"
-    assert _metric(s, "vllm:magicpig_decodes_total", served="exact", reason="evicted") == 0, mp
+    assert metric_value(s, "vllm:magicpig_decodes_total", served="exact", reason="evicted") == 0, mp
     stats = [line for line in log.splitlines() if "MAGICPIG stats:" in line]
     assert stats, f"no 'MAGICPIG stats:' line; log tail:\n{server.tail()}"
     print(f"last stats line: {stats[-1].strip()[:400]}")

@@ -48,20 +48,7 @@ def test_device_hash_equals_kernel_hash_except_float_ties():
 
 def _filled_flash_cache(contexts, gen):
     """A CPU tensor in FLASH_ATTN's cache layout holding each (keys, values) at shuffled blocks."""
-    nblk = [-(-k.shape[0] // BS) for k, _ in contexts]
-    total = sum(nblk) + 2
-    cache = torch.randn(*FlashLayout.cache_shape(total, BS, HKV, D), generator=gen).bfloat16()
-    kv = FlashLayout().views(cache)
-    perm = torch.randperm(total, generator=gen)
-    table = torch.zeros(len(contexts), max(nblk), dtype=torch.int32)
-    used = 0
-    for r, (k, v) in enumerate(contexts):
-        table[r, : nblk[r]] = perm[used : used + nblk[r]]
-        used += nblk[r]
-        for b in range(nblk[r]):
-            lo, hi = b * BS, min(k.shape[0], (b + 1) * BS)
-            kv.key[int(table[r, b]), : hi - lo] = k[lo:hi]
-            kv.value[int(table[r, b]), : hi - lo] = v[lo:hi]
+    _, _, table, cache = to_paged(contexts, BS, spare_blocks=2, generator=gen, layout=FlashLayout())
     return cache, table
 
 

@@ -51,16 +51,16 @@ class CpuKernelOps:
         self.num_threads = num_threads
 
     def build_segment(self, keys, values, centre, projection, K, L):
-        return self._kernel.build_segment(keys, values, centre, projection, K, L, **self._threads())
+        return self._kernel.build_segment(keys, values, centre, projection, K, L, num_threads=self.num_threads)
 
     def build_segment_from_codes(self, keys, values, centre, codes, K, L):
-        return self._kernel.build_segment_from_codes(keys, values, centre, codes, K, L)
+        return self._kernel.build_segment_from_codes(keys, values, centre, codes, K, L, num_threads=self.num_threads)
 
     def merge_segments(self, segments):
-        return self._kernel.merge_segments(segments)
+        return self._kernel.merge_segments(segments, num_threads=self.num_threads)
 
     def hash_codes(self, x, projection, K, L):
-        return self._kernel.hash_codes(x, projection, K, L, **self._threads())
+        return self._kernel.hash_codes(x, projection, K, L, num_threads=self.num_threads)
 
     def attend(self, query, query_codes, query_dot_centre, segments, kv, block_table, dense_ranges, scale, K, L,
                out, sampled_counts, lse=None):
@@ -68,7 +68,4 @@ class CpuKernelOps:
         self._kernel.sparse_decode_attention(
             query, query_codes, query_dot_centre, segments, kv.key, kv.value, block_table=block_table,
             dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=sampled_counts,
-            check_values=False, **self._threads())
-
-    def _threads(self) -> dict:
-        return {} if self.num_threads is None else {"num_threads": self.num_threads}
+            check_values=False, num_threads=self.num_threads)

@@ -52,6 +52,7 @@ class MagicPigRuntime:
         self.observers: list[Any] = []
         self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
         extensions.load()
+        self._config_settings = StepSettings.from_config(cfg)  # the config is immutable: once
         for init in extensions.RUNTIME_INITS:
             init(self)
 
@@ -68,7 +69,7 @@ class MagicPigRuntime:
 
     def step_settings(self) -> StepSettings:
         """The config's settings, after the extensions' settings hooks."""
-        settings = StepSettings.from_config(self.cfg)
+        settings = self._config_settings
         for hook in extensions.SETTINGS_HOOKS:
             settings = hook(self, settings)
         return settings

@@ -44,6 +44,7 @@ def check_vllm_config(vllm_config, platform: str = "cpu") -> MagicPigConfig:
     else:
         from vllm_magicpig.backend import MagicPigBackend
 
+    par = vllm_config.parallel_config
     hf = model.hf_text_config
     has_sink = getattr(hf, "sinks", None) is not None or "GptOss" in " ".join(model.architectures or [])
     head = model.get_head_size()
@@ -52,7 +53,11 @@ def check_vllm_config(vllm_config, platform: str = "cpu") -> MagicPigConfig:
         use_mla=bool(getattr(model, "use_mla", False)), has_sink=has_sink, use_sparse=False,
         use_mm_prefix=False, use_per_head_quant_scales=False, device_capability=_capability(platform),
         attn_type=AttentionType.DECODER, has_sliding_window=model.get_sliding_window() is not None,
+        # as vLLM's selector derives them (v1/attention/selector.py)
+        use_dcp=par.decode_context_parallel_size > 1, use_pcp=par.prefill_context_parallel_size > 1,
     )
+    context_parallel = ("context parallelism shards each request's KV cache, and the index needs whole contexts",
+                        "drop --decode-context-parallel-size / --prefill-context-parallel-size")
     explained = {
         "MLA not supported": ("the model uses MLA (latent attention)", _FALLBACK),
         "sliding window not supported": ("the model uses sliding-window attention", _FALLBACK),
@@ -62,6 +67,8 @@ def check_vllm_config(vllm_config, platform: str = "cpu") -> MagicPigConfig:
         "head_size not supported": (f"head_dim {head} (supported: {', '.join(map(str, SUPPORTED_HEAD_SIZES))})",
                                     _FALLBACK),
         "kv_cache_dtype not supported": (f"KV cache dtype {cache.cache_dtype!r}", "drop --kv-cache-dtype (use 'auto')"),
+        "DCP not supported": context_parallel,
+        "PCP not supported": context_parallel,
     }
     for reason, (what, fix) in explained.items():
         if reason in reasons:
@@ -100,9 +107,6 @@ def _check_cuda(vllm_config, cfg: MagicPigConfig) -> None:
         _fail("cudagraph_mode FULL captures attention in CUDA graphs, and MAGICPIG's decode runs host code",
               "pass --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (or FULL_AND_PIECEWISE)")
     par = vllm_config.parallel_config
-    if par.decode_context_parallel_size > 1 or par.prefill_context_parallel_size > 1:
-        _fail("context parallelism shards each request's KV cache, and the index needs whole contexts",
-              "drop --decode-context-parallel-size / --prefill-context-parallel-size")
     if par.enable_dbo or getattr(par, "use_ubatching", False):
         _fail("micro-batching (dual batch overlap) splits a step into pieces the planner does not see",
               "drop --enable-dbo")

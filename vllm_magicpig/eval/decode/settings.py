@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from vllm_magicpig import decode_methods
@@ -65,21 +66,17 @@ class EvalState:
         self.calibration: dict = {}  # layer name -> centring.LayerCalibration
         self.per_key_cache = PerKeyCache()
         self.errors: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # layer -> [sum, count]
-        self._rope: Any = "unresolved"
 
-    @property
+    @cached_property
     def rope(self):
         """The model's RoPE (None when its kind is not handled), read from the runtime's model config."""
-        if self._rope == "unresolved":
-            from vllm_magicpig.eval.decode.centring import Rope
+        from vllm_magicpig.eval.decode.centring import Rope
 
-            hf = self.runtime.hf_config
-            if hf is None:
-                self._rope = None
-            else:
-                head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-                self._rope = Rope.from_hf_config(hf, head)
-        return self._rope
+        hf = self.runtime.hf_config
+        if hf is None:
+            return None
+        head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return Rope.from_hf_config(hf, head)
 
     def add_error(self, layer_name: str, rel_err: float) -> None:
         e = self.errors[layer_name]
