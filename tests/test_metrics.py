@@ -17,11 +17,10 @@ import pytest
 import requests
 from prometheus_client import REGISTRY, generate_latest
 
+from vllm_magicpig.eval.openai_server import launch, stop, wait_healthy
+from vllm_magicpig.eval.openai_server import metric_samples as samples
+from vllm_magicpig.eval.openai_server import metric_value as value
 from vllm_magicpig.metrics import Exporter, MagicPigStatLogger
-
-from openai_server import launch, stop, wait_healthy
-from openai_server import metric_samples as samples
-from openai_server import metric_value as value
 
 # --- helpers ----------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from openai_server import Server, launch, stop, wait_healthy
+from vllm_magicpig.eval.openai_server import Server, launch, stop, wait_healthy
 
 pytestmark = pytest.mark.server
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import requests
 
-from openai_server import Server, healthy, launch, metric_value, scrape, stop, wait_healthy
+from vllm_magicpig.eval.openai_server import Server, healthy, launch, metric_value, scrape, stop, wait_healthy
 
 pytestmark = pytest.mark.server
 

@@ -28,6 +28,8 @@ class Stats:
         self._sections: dict[str, tuple[Callable[[], dict], Callable[[], None] | None]] = {}
         self.index_bytes = 0
         self.mirror_bytes = 0
+        # the most index + mirror bytes ever held at once (a gauge of the worker's life: no reset)
+        self.held_bytes_peak = 0
         self.index: Counter[str] = Counter()
         self.reset()
 
@@ -89,6 +91,7 @@ class Stats:
                 "index": dict(self.index),
                 "index_bytes": self.index_bytes,
                 "mirror_bytes": self.mirror_bytes,
+                "held_bytes_peak": self.held_bytes_peak,
                 "build_seconds": round(self.build_seconds, 4),
                 "sparse_seconds": round(self.sparse_seconds, 4),
             }
@@ -118,7 +121,8 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     if len(snaps) == 1:
         return snaps[0]
     out: dict[str, Any] = {"workers": snaps}
-    for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes"):
+    for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes",
+                "held_bytes_peak"):
         out[key] = sum(s[key] for s in snaps)
     for key in ("decode_exact", "decode_by_method", "index", "layer_calls"):
         c: Counter[str] = Counter()
