@@ -125,7 +125,7 @@ class MagicPigBuilderMixin:
         if vllm_config.speculative_config is not None:
             raise MagicPigConfigError("MAGICPIG does not support speculative decoding; drop --speculative-config")
         self.runtime = runtimes.attach(vllm_config, make_runtime)
-        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index)
+        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index, self.runtime.mirror)
 
     def host_view(self, cam, num_reqs: int):
         """The CPU tensors the planner reads (the platform's metadata may live on a device)."""
@@ -221,6 +221,9 @@ class MagicPigImplMixin:
         if self.layer_index is None:
             self._resolve_layer(layer, meta.runtime)
         meta.runtime.stats.count_layer(layer.layer_name)
+        if self.sparse_layer is not None and meta.runtime.mirror is not None:
+            # The step's KV is written (vLLM's KV update runs before attention): mirror what completed.
+            meta.runtime.mirror.copy_layer(layer.layer_name, meta.runtime.layout.views(kv_cache))
         nd = meta.num_decode_tokens
         if meta.num_decodes == 0 or self.sparse_layer is None:
             if meta.num_decodes:

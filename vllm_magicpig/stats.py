@@ -18,7 +18,11 @@ EXACT_SHORT_CONTEXT = "short_context"
 EXACT_DENSE_LAYER = "dense_layer"
 EXACT_EVICTED = "evicted"  # index over its memory cap: the uncovered tokens ran exactly
 EXACT_METHOD = "decode_method_exact"
-EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD)
+# accelerator platforms: no block past the sinks is mirrored to host memory yet (copies in flight)
+EXACT_NOT_MIRRORED = "not_mirrored"
+EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED)
+# index entries that describe what is held now, not events: kept by a reset
+_GAUGES = ("segments_live", "staged_bytes")
 
 
 class Stats:
@@ -36,7 +40,7 @@ class Stats:
     def reset(self) -> None:
         """Zero the counters. The index gauges (bytes, live segments) describe what is
         held now, so they survive a reset."""
-        live = self.index.get("segments_live")
+        held = {k: self.index[k] for k in _GAUGES if k in self.index}
         self.steps = 0
         self.decode_sparse = 0
         self.decode_exact: Counter[str] = Counter()
@@ -49,8 +53,7 @@ class Stats:
         self.index = Counter()
         self.build_seconds = 0.0
         self.sparse_seconds = 0.0
-        if live is not None:
-            self.index["segments_live"] = live
+        self.index.update(held)
         for _, reset in self._sections.values():
             if reset is not None:
                 reset()
