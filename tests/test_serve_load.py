@@ -70,7 +70,7 @@ def test_check_flags_a_wrong_response():
 def test_load_ci_sized(tmp_path):
     # A cap below what the run would hold (about 700 MiB): eviction must keep it, and requests whose
     # segments do not fit are served exactly, still answering correctly.
-    magicpig = {"K": 10, "L": 150, "index_memory_mb": 384}
+    magicpig = {"K": 10, "L": 150, "index_memory_mb": 384, "cost_model": False}  # the sampled path under load
     reports, problems = serve_load.run(24, (1024, 3072), ["MAGICPIG", "CPU_ATTN"], tmp_path / "serve_load",
                                        magicpig, kv_cache_gb=4)
     print("\n" + (tmp_path / "serve_load.md").read_text())

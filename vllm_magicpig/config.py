@@ -58,6 +58,10 @@ class MagicPigConfig:
     and its segments (multi-turn chat over a cached document is not re-indexed)."""
     seed: int = 0
     """Seed of the shared Gaussian projection; same seed, same tokens."""
+    cost_model: bool = True
+    """Serve a decode exactly when this worker's own timings predict that sampling its context
+    would be slower than exact attention (stats: ``sampling_slower``; see ``cost_model.py``).
+    false: sample every request past ``min_sparse_context``."""
     cpu_threads: int = 0
     """Threads of the host kernel when the KV cache is on a GPU (vLLM runs CUDA workers' torch on
     one thread); 0 = OMP_NUM_THREADS if set, else the worker's CPU affinity shared among the
@@ -203,9 +207,9 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = tuple(sorted(set(layers)))
         elif key in ("centering", "decode_method"):
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
-        elif key == "inherit_centre":
+        elif key in ("inherit_centre", "cost_model"):
             if not isinstance(value, bool):
-                raise MagicPigConfigError(f"magicpig config: 'inherit_centre' must be true or false, got {value!r}")
+                raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value
         else:  # pragma: no cover - every field is handled above
             raise AssertionError(key)

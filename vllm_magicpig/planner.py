@@ -18,7 +18,7 @@ from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import EXACT
 from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
-from vllm_magicpig.stats import EXACT_METHOD, EXACT_NOT_MIRRORED, EXACT_SHORT_CONTEXT
+from vllm_magicpig.stats import EXACT_METHOD, EXACT_NOT_MIRRORED, EXACT_SAMPLING_SLOWER, EXACT_SHORT_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -111,13 +111,17 @@ class DecodePlan:
 class StepPlanner:
     """Layer-independent decisions, made once per engine step in the metadata builder."""
 
-    def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore, mirror: Any = None) -> None:
+    def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore, mirror: Any = None,
+                 cost: Any = None) -> None:
         """``mirror``: the host mirror of a device KV cache (``host_mirror.HostMirror``), on platforms
-        whose cache is not in host memory; only mirrored blocks are covered by segments."""
+        whose cache is not in host memory; only mirrored blocks are covered by segments.
+        ``cost``: the worker's ``cost_model.DecodeCostModel``; requests it predicts would sample
+        slower than exact attention are served exactly."""
         self.cfg = cfg
         self.block_size = block_size
         self.index = index
         self.mirror = mirror
+        self.cost = cost
         self.unit = cfg.segment_tokens
         self.largest = max(self.unit, (min(cfg.max_segment_tokens, MAX_SEGMENT_TOKENS) // self.unit) * self.unit)
         # last block written by a prefill chunk -> sequence length after it; a decode
@@ -160,6 +164,9 @@ class StepPlanner:
             covered_end = ((s - cfg.local_window) // self.unit) * self.unit
             if s < cfg.min_sparse_context or covered_end <= cfg.sink_tokens:
                 plan.exact_reason[r] = EXACT_SHORT_CONTEXT
+                continue
+            if self.cost is not None and not self.cost.sampling_pays(s):
+                plan.exact_reason[r] = EXACT_SAMPLING_SLOWER
                 continue
             row = block_table[r, : (s + bs - 1) // bs].tolist()
             spec = self._centre_for(row, s)

@@ -14,6 +14,7 @@ import torch
 
 from vllm_magicpig import decode_methods, extensions
 from vllm_magicpig.config import MagicPigConfig, parse_config
+from vllm_magicpig.cost_model import DecodeCostModel
 from vllm_magicpig.host_mirror import HostMirror
 from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
@@ -47,6 +48,9 @@ class MagicPigRuntime:
         self.ops: SparseDecodeOps = ops if ops is not None else CpuKernelOps()
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.cost = DecodeCostModel() if cfg.cost_model else None
+        if self.cost is not None:
+            self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()})
         self.mirror = HostMirror(mirror_engine, self.stats, self.cap_bytes // 2) if mirror_engine is not None else None
         self.methods = dict(methods or {})
         self.dense_attention = dense_attention

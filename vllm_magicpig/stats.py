@@ -20,7 +20,10 @@ EXACT_EVICTED = "evicted"  # index over its memory cap: the uncovered tokens ran
 EXACT_METHOD = "decode_method_exact"
 # accelerator platforms: no block past the sinks is mirrored to host memory yet (copies in flight)
 EXACT_NOT_MIRRORED = "not_mirrored"
-EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED)
+# this worker's timings predict that sampling the context would be slower than exact attention
+EXACT_SAMPLING_SLOWER = "sampling_slower"
+EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
+                 EXACT_SAMPLING_SLOWER)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 
