@@ -295,7 +295,8 @@ def magicpig_counters(scraped: dict) -> dict[str, Any]:
         "decodes_exact": exact,
         "sampled_fraction": v("sampled_fraction"),
         "held_bytes_peak": int(v("held_bytes_peak") or 0),
-        "segments": {e: int(v("segments_total", event=e) or 0) for e in ("built", "merged", "evicted", "invalidated")},
+        "segments": {e: int(v("segments_total", event=e) or 0)
+                     for e in ("built", "merged", "evicted", "invalidated", "refused")},
     }
 
 

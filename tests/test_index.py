@@ -147,6 +147,22 @@ def test_with_a_cap_room_is_made_before_a_new_segment_is_stored(store):
     assert other.stats.held_bytes_peak == 12000
 
 
+def test_a_segment_that_cannot_fit_beside_the_ones_in_use_is_not_kept(store):
+    """Every held segment is in use this step and a new one would pass the cap: it is not stored
+    (get_or_build returns None, the caller serves that request exactly), so the store never holds
+    more than the cap."""
+    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20, 30)]
+    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20, 30))]
+    assert store.get_or_build(LAYER, refs[0], build, merge, cap_bytes=8000) is not None
+    assert store.get_or_build(LAYER, refs[1], build, merge, cap_bytes=8000) is not None
+    assert store.get_or_build(LAYER, refs[2], build, merge, cap_bytes=8000) is None
+    assert store.stats.index["segments_refused"] == 1 and store.stats.index["segments_built"] == 3
+    assert store.stats.held_bytes_peak == 8000 and len(store) == 2
+    store.begin_step()  # next step the older ones are evictable again
+    assert store.get_or_build(LAYER, refs[2], build, merge, cap_bytes=8000) is not None
+    assert store.stats.held_bytes_peak == 8000
+
+
 def test_clear_keeps_the_counters(store):
     spec = store.new_centre((1, 2), 4, 256)
     store.get_or_build(LAYER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge)

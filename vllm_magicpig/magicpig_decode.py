@@ -50,7 +50,11 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
         refs = plan.segments[r]
         build = make_build(centre)
         segs = [index.get_or_build(ctx.name, ref, build, rt.ops.merge_segments, rt.cap_bytes) for ref in refs]
-        if not index.reserve(ctx.name, refs, rt.cap_bytes):
+        fits = all(seg is not None for seg in segs)
+        if not fits:
+            for ref in refs:  # what was kept of this request's segments frees room for the others
+                index.drop_segment(ctx.name, ref.key)
+        if not fits or not index.reserve(ctx.name, refs, rt.cap_bytes):
             # Over the memory cap with everything in use: attend the whole context exactly.
             if dense is plan.dense_ranges:
                 dense = dense.clone()

@@ -75,7 +75,7 @@ logger = init_logger(__name__)
 RPC = "magicpig_stats"
 PREFIX = "vllm:magicpig_"
 LABELS = ("model_name", "engine", "rank")
-SEGMENT_EVENTS = ("built", "merged", "evicted", "invalidated")
+SEGMENT_EVENTS = ("built", "merged", "evicted", "invalidated", "refused")
 CENTRE_EVENTS = ("computed", "inherited", "invalidated")
 SPARSE_METHOD = "magicpig"  # the production decode method; always present as a (maybe zero) series
 
@@ -148,7 +148,7 @@ def metrics() -> _Metrics:
                                       "(compare with index_memory_mb)."),
                 segments_live=gauge("segments_live", "Index segments held now."),
                 segments=counter("segments", "Index segments built, merged (grown), evicted at the memory cap, "
-                                 "invalidated by a KV write.", ("event",)),
+                                 "invalidated by a KV write, refused (no room beside those in use).", ("event",)),
                 centres=counter("centres", "Per-request key centres computed, inherited from a prefix, "
                                 "invalidated.", ("event",)),
                 tokens_indexed=counter("tokens_indexed", "Tokens hashed into new segments."),
