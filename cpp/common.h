@@ -15,10 +15,12 @@
 // vLLM CUDA worker sets to 1: callers there pass their own count.
 #pragma once
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -67,16 +69,55 @@ inline float fp16_to_f(uint16_t h) {
 
 inline float to_f(uint16_t h, int dtype) { return dtype == BF16 ? bf16_to_f(h) : fp16_to_f(h); }
 
+// Allocator for the big arrays of a segment: from 2 MiB up they are 2 MiB aligned and advised as
+// transparent huge pages.  Decode reads sampled rows and buckets at random over tens of MB, so with
+// 4 KiB pages nearly every row is also a TLB miss (a nested page walk under a hypervisor).
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  static constexpr size_t kHuge = size_t{2} << 20;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kHuge) return std::allocator<T>().allocate(n);
+    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, rounded);
+    if (!p) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kHuge)
+      std::allocator<T>().deallocate(p, n);
+    else
+      std::free(p);
+  }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const HugePageAllocator<U>&) const {
+    return false;
+  }
+};
+template <typename T>
+using BigVec = std::vector<T, HugePageAllocator<T>>;
+
 // One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
 // (KV head, table), a CSR bucket sort of its token ids.  Built once, then read-only, so it may be
 // shared by any number of concurrent kernel calls.
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
   bool dense_dir = true;                // dense 2^K offset table, else sorted distinct codes
-  std::vector<uint16_t> kmir, vmir;     // [hkv][n][d]
-  std::vector<float> knorm;             // [hkv][n]  |k - c|, fp32
-  std::vector<uint16_t> ids;            // [hkv*L][n] token ids grouped by bucket (ascending inside)
-  std::vector<uint16_t> off;            // dense: [hkv*L][2^K + 1] bucket starts
+  BigVec<uint16_t> kmir, vmir;          // [hkv][n][d]
+  BigVec<float> knorm;                  // [hkv][n]  |k - c|, fp32
+  BigVec<uint16_t> ids;                 // [hkv*L][n] token ids grouped by bucket (ascending inside)
+  BigVec<uint16_t> off;                 // dense: [hkv*L][2^K + 1] bucket starts
   std::vector<uint32_t> dir_begin;      // compact: [hkv*L + 1] range into ucode/ustart
   std::vector<uint16_t> ucode, ustart;  // compact: distinct codes (ascending) and bucket starts
 
