@@ -55,7 +55,18 @@ void sparse_decode(const AttnArgs& args) {
   // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
   if (isa == Isa::Avx512Bf16 && !(args.q_is_bf16 && args.dtype == BF16)) isa = Isa::Avx512;
   const float* neg_log_u_table = corr_table(args.K, args.L);
-  const HeadGroups groups(args.H, args.hkv);
+  const int nt = team_size(args.num_threads);
+  // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
+  // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic
+  // schedule to balance (3 KV heads of one 32K segment on 2 threads: 2 units on one, 1 on the
+  // other); then smaller chunks.  A head's result does not depend on its chunk (attend.h).
+  constexpr int kUnitsPerThread = 4;
+  int seg_units = 0;
+  for (int r = 0; r < args.R; ++r) seg_units += static_cast<int>((*args.segs)[r].size()) * args.hkv;
+  const int gsz = args.hkv > 0 ? args.H / args.hkv : 0;
+  int chunk = std::max(1, std::min(gsz, MAXG));
+  while (chunk > 1 && seg_units * ((gsz + chunk - 1) / chunk) < kUnitsPerThread * nt) --chunk;
+  const HeadGroups groups(args.H, args.hkv, chunk);
 
   // Units in group order, so each group's partials are contiguous:
   // group_begin[g] .. group_begin[g + 1] for g = groups.index(r, kvh, chunk).
@@ -78,7 +89,7 @@ void sparse_decode(const AttnArgs& args) {
   // Largest units first so the dynamic schedule balances well.
   std::vector<int> order(nu);
   std::iota(order.begin(), order.end(), 0);
-  auto cost = [&](int i) { return units[i].seg ? units[i].seg->n / 8 : units[i].end - units[i].begin; };
+  auto cost = [&](int i) { return (units[i].seg ? units[i].seg->n / 8 : units[i].end - units[i].begin) * units[i].G; };
   std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return cost(x) > cost(y); });
 
   std::vector<float> part_max(static_cast<size_t>(nu) * MAXG), part_sum(part_max.size());
@@ -87,7 +98,6 @@ void sparse_decode(const AttnArgs& args) {
 
   // Every unit writes only its own partial slots and the merge below reads them in unit order, so
   // the result does not depend on the team size or on which thread ran which unit.
-  const int nt = team_size(args.num_threads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
   for (int oi = 0; oi < nu; ++oi) {
     if (oi == 0) g_last_team_size.store(omp_get_num_threads(), std::memory_order_relaxed);
@@ -99,7 +109,13 @@ void sparse_decode(const AttnArgs& args) {
     Rows rows{};
     PhaseTimer pt;
     if (unit.seg) {
-      retrieve(args, unit, scratch, part_count.data() + slot);
+      int counts[MAXG];
+      retrieve(args, unit, scratch, counts);
+      rows.off[0] = 0;
+      for (int g = 0; g < unit.G; ++g) {
+        part_count[slot + g] = counts[g];
+        rows.off[g + 1] = rows.off[g] + counts[g];
+      }
       const Segment& seg = *unit.seg;
       const size_t base = static_cast<size_t>(unit.kvh) * seg.n;
       rows.kb = seg.kmir.data() + base * args.d;
@@ -117,6 +133,7 @@ void sparse_decode(const AttnArgs& args) {
       rows.kb = scratch.ktile.data();
       rows.vb = scratch.vtile.data();
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
+      for (int g = 0; g <= unit.G; ++g) rows.off[g] = g * rows.n;
       pt.tick(kPhaseGatherLogits);
     }
     const Partial part{part_max.data() + slot, part_sum.data() + slot, part_acc.data() + slot * args.d};
