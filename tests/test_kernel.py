@@ -223,6 +223,41 @@ def test_estimator_matches_reference(name, force_scalar):
     check_case(case, seed, force_scalar, name)
 
 
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_retrieval_bitset_word_boundaries(force_scalar):
+    """Retrieval counts collisions in 64-token bitset words: segments of 1, 63, 64, 65, 127 and 130
+    tokens (a partial word, exact words, one past) in one request, with K small enough that most
+    keys are sampled (so every word edge is hit) and with K = 6, against the reference."""
+    seed, gen = new_seed()
+    for K, L in ((2, 16), (6, 30)):
+        c = Case(gen, [470], 2, 3, 64, K, L, seg_sizes=[[1, 63, 64, 65, 127, 130]], window=16)
+        check_case(c, seed, force_scalar, f"K={K} L={L}")
+
+
+def test_head_chunking_never_changes_results():
+    """The driver splits a KV head's query heads into smaller units when segment units are too few
+    for the team (6 heads over 4 segments: chunks of 6, 5, 2 and 1 heads on 1, 2, 3 and 8 threads);
+    each head's retrieval, logits and accumulation are its own, so the bits must not move."""
+    seed, gen = new_seed()
+    c = Case(gen, [2300], 1, 6, 64, 6, 30, seg_sizes=[[600, 500, 700, 400]])
+    for fs in PATHS:
+        want = None
+        for nt in (1, 2, 3, 8):
+            out = torch.empty(1, c.H, c.D, dtype=c.query.dtype)
+            lse = torch.empty(1, c.H)
+            cnt = torch.empty(1, c.H, dtype=torch.int64)
+            kx.sparse_decode_attention(c.query, c.qcodes, c.qdc, c.segs, c.kview, c.vview, block_table=c.bt,
+                                       dense_ranges=c.dense_ranges, scale=c.scale, K=c.K, L=c.L, out=out, lse=lse,
+                                       sampled_counts=cnt, force_scalar=fs, num_threads=nt)
+            got = (out, lse, cnt)
+            if want is None:
+                want = got
+                check_case(c, seed, fs, "chunking")
+                continue
+            for name, a, b in zip(("out", "lse", "sampled_counts"), want, got):
+                assert torch.equal(a, b), f"{name} differs on {nt} threads (seed={seed} force_scalar={fs})"
+
+
 def test_edge_expectations():
     seed, gen = new_seed()
     # K = 16, L = 10 at ~1K tokens: essentially nothing is sampled.
