@@ -103,7 +103,8 @@ struct Scratch {
   // Collision bitsets of one head (retrieve.cpp): word pair 2w, 2w + 1 = tokens hit once, twice.
   std::vector<uint64_t> hits;
   std::vector<uint64_t> sampled;  // [G][words]: the tokens each head samples
-  std::vector<uint16_t> list, rmask, ktile, vtile, qbf;
+  std::vector<uint16_t> list, rmask, ktile, vtile;
+  std::vector<float> qf;                 // [G][d] the unit's queries in fp32
   std::vector<Segment::Bucket> buckets;  // [L][G] ranges of one unit
   std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
   std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)

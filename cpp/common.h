@@ -30,7 +30,7 @@ namespace mp {
 // Token ids and bucket offsets (which reach n) inside a segment are uint16.
 constexpr int kMaxSegmentTokens = 32768;
 
-enum DType : int { BF16 = 0, FP16 = 1 };
+enum DType : int { BF16 = 0, FP16 = 1, FP32 = 2 };  // FP32: queries and outputs only
 
 // The team size of a region opened for a caller that asked for `requested` threads.
 inline int team_size(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
@@ -68,6 +68,14 @@ inline float fp16_to_f(uint16_t h) {
 }
 
 inline float to_f(uint16_t h, int dtype) { return dtype == BF16 ? bf16_to_f(h) : fp16_to_f(h); }
+
+// float -> bf16, rounding to nearest even as torch does (a NaN stays a quiet NaN).
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // Allocator for the big arrays of a segment: from 2 MiB up they are 2 MiB aligned and advised as
 // transparent huge pages.  Decode reads sampled rows and buckets at random over tens of MB, so with
@@ -197,8 +205,8 @@ void recover_codes(const Segment& s, int t, uint16_t* codes);
 struct AttnArgs {
   int R, H, hkv, d, K, L, dtype;  // R: requests, H: query heads, hkv: KV heads
   float scale;
-  const float* q;         // [R][H][d] fp32
-  bool q_is_bf16;         // q values are exactly bf16 (enables the avx512bf16 dot)
+  const void* q;          // [R][H][d] of q_dtype
+  int q_dtype;            // BF16 (enables the avx512bf16 dot on a bf16 cache), FP16 or FP32
   const int32_t* qcodes;  // [R][H][L]
   const float* qdc;       // [R][H]
   const std::vector<std::vector<SegmentPtr>>* segs;
@@ -209,7 +217,8 @@ struct AttnArgs {
   const int32_t* block_table;
   int max_blocks, block_size;
   const int32_t* ranges;  // [R][2][2]
-  float* out;             // [R][H][d] fp32
+  void* out;              // [R][H][d] of out_dtype
+  int out_dtype;          // BF16 or FP32
   float* lse;             // [R][H]
   int64_t* counts;        // [R][H]
   bool force_scalar;

@@ -493,16 +493,17 @@ def test_c_entry_points_reject_bad_sizes():
 
     R, H = c.query.shape[:2]
     q, out = c.query.float().contiguous(), torch.empty(R, H, D)
-    decode = dict(R=R, H=H, hkv=hkv, d=D, K=6, L=20, dtype=0, scale=c.scale, q=q.data_ptr(), q_is_bf16=True,
+    decode = dict(R=R, H=H, hkv=hkv, d=D, K=6, L=20, dtype=0, scale=c.scale, q=q.data_ptr(), q_dtype=2,
                   qcodes=c.qcodes.data_ptr(), qdc=c.qdc.data_ptr(), segs=[[seg]], kc=c.kview.data_ptr(),
                   ks=list(c.kview.stride()), vc=c.vview.data_ptr(), vs=list(c.vview.stride()), bt=c.bt.data_ptr(),
                   max_blocks=c.bt.shape[1], block_size=c.kview.shape[1], ranges=c.dense_ranges.data_ptr(),
-                  out=out.data_ptr(), lse=0, counts=0, force_scalar=False)
+                  out=out.data_ptr(), out_dtype=2, lse=0, counts=0, force_scalar=False)
     kx._C.sparse_decode(**decode)
     for bad in (dict(R=-1), dict(R=2), dict(H=-6), dict(H=5), dict(hkv=0), dict(hkv=4), dict(d=0), dict(d=72),
                 dict(K=0), dict(K=17), dict(L=1), dict(dtype=-1), dict(ks=[1, 1, 1]), dict(vs=[1] * 5),
                 dict(max_blocks=-1), dict(block_size=0), dict(segs=[[other_k]]), dict(segs=[[None]]),
-                dict(q=0), dict(qcodes=0), dict(out=0)):
+                dict(q=0), dict(qcodes=0), dict(out=0), dict(q_dtype=3), dict(q_dtype=-1), dict(out_dtype=1),
+                dict(out_dtype=3)):
         rejects(kx._C.sparse_decode, decode, **bad)
 
 
