@@ -60,13 +60,14 @@ void sparse_decode(const AttnArgs& args) {
   // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
   // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic
   // schedule to balance (3 KV heads of one 32K segment on 2 threads: 2 units on one, 1 on the
-  // other); then smaller chunks.  A head's result does not depend on its chunk (attend.h).
+  // other); then smaller chunks.  One thread keeps whole groups.  A head's result does not depend
+  // on its chunk (attend.h).
   constexpr int kUnitsPerThread = 4;
   int seg_units = 0;
   for (int r = 0; r < args.R; ++r) seg_units += static_cast<int>((*args.segs)[r].size()) * args.hkv;
   const int gsz = args.hkv > 0 ? args.H / args.hkv : 0;
   int chunk = std::max(1, std::min(gsz, MAXG));
-  while (chunk > 1 && seg_units * ((gsz + chunk - 1) / chunk) < kUnitsPerThread * nt) --chunk;
+  while (nt > 1 && chunk > 1 && seg_units * ((gsz + chunk - 1) / chunk) < kUnitsPerThread * nt) --chunk;
   const HeadGroups groups(args.H, args.hkv, chunk);
 
   // Units in group order, so each group's partials are contiguous:
