@@ -2,13 +2,11 @@
 // gather (retrieve.cpp) and the twin attention paths (attend_scalar.cpp, attend_avx512.cpp) share.
 //
 // A unit is (request, KV head, group of <= MAXG query heads, one segment or one dense chunk).  It
-// collects its rows (retrieve or gather_dense), then attends block by block with an online
-// softmax: q.k -> logits -> rescale and V accumulation, leaving a partial (max, sum, acc) per head
-// that the driver merges by log-sum-exp.
+// collects its rows (retrieve or gather_dense), then attends: q.k -> logits and softmax -> V
+// accumulation, leaving a partial (max, sum, acc) per head that the driver merges by log-sum-exp.
 #pragma once
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -40,13 +38,6 @@ constexpr float kExpFloor = -87.f;
 // treated as orthogonal (cos = 0).
 constexpr float kMinNormProduct = 1e-30f;
 
-// The online softmax runs block by block (q.k, logits, rescale, V accumulation), so the V rows,
-// fetched with their K rows, are still in cache when they are accumulated.  A block is the rows
-// whose token ids (segment) or tile positions (dense) fall in one span of kBlockSpan: a head's
-// blocks then hold the same rows of its own whichever heads share its unit, so its result stays
-// independent of the head chunks (~25 of a head's rows per block at 2.5% sampled).
-constexpr int kBlockSpan = 1024;
-
 // Query head h reads KV head h / gsz; the gsz query heads of one KV head go in chunks of <= chunk
 // (<= MAXG, one bit each in a uint16 mask).  The unit builder and the merge both go through this, so
 // a head's partial is read back from the slot it was written to.  Every head's result is the same
@@ -74,8 +65,7 @@ struct Unit {
   int begin, end;
 };
 
-// The rows one unit attends to, each a K row and a V row of the cache dtype side by side (a row
-// pitch of 2d elements, as the segment mirror and the dense tile lay them out): the union over
+// The rows one unit attends to, all in row-major [d] layout of the cache dtype: the union over
 // the unit's heads, in ascending token order, with a mask of the heads that attend each row.
 // Head g's own rows, in the same order, get the compact entries [off[g], off[g + 1]) of the
 // per-entry scratch arrays (scores, norms), so the logits and the softmax run over dense arrays
@@ -83,22 +73,14 @@ struct Unit {
 struct Rows {
   const uint16_t* kb;
   const uint16_t* vb;
-  const uint16_t* idx;   // row i is kb + idx[i]*2d (segment) or kb + i*2d (dense tile); vb = kb + d
+  const uint16_t* idx;   // row i is kb + idx[i]*d (segment) or kb + i*d (dense tile)
   const uint16_t* mask;  // per row: bit g = query head g attends this row
   const float* knorm;    // segment only: |k - c| by token id
   int n;
   bool seg;
   int off[MAXG + 1];
-  int id(int i) const { return idx ? idx[i] : i; }
-  // The end of the block that starts at row b0 (kBlockSpan).
-  int block_end(int b0) const {
-    const int lim = (id(b0) / kBlockSpan + 1) * kBlockSpan;
-    int b1 = b0 + 1;
-    while (b1 < n && id(b1) < lim) ++b1;
-    return b1;
-  }
   const uint16_t* row(const uint16_t* base, int i, int d) const {
-    return base + static_cast<size_t>(idx ? idx[i] : i) * 2 * d;
+    return base + static_cast<size_t>(idx ? idx[i] : i) * d;
   }
 };
 
@@ -120,29 +102,17 @@ struct Partial {
 struct Scratch {
   // Collision bitsets of one head (retrieve.cpp): word pair 2w, 2w + 1 = tokens hit once, twice.
   std::vector<uint64_t> hits;
-  std::vector<uint64_t> sampled;            // [G][words]: the tokens each head samples
-  std::vector<uint16_t> list, rmask, tile;  // tile: dense tokens, [n][2][d] as the mirror
-  std::vector<float> qf;                    // [G][d] the unit's queries in fp32
-  std::vector<Segment::Bucket> buckets;     // [L] bucket ranges of one head
-  std::vector<float> scores;                // compact entries: q.k, then logits, then softmax weights
-  std::vector<float> norms;                 // compact entries: |k - c| of the entry's row (segments)
-  std::vector<float> row_f32;               // one K or V row converted to fp32
+  std::vector<uint64_t> sampled;  // [G][words]: the tokens each head samples
+  std::vector<uint16_t> list, rmask, ktile, vtile;
+  std::vector<float> qf;                 // [G][d] the unit's queries in fp32
+  std::vector<Segment::Bucket> buckets;  // [L][G] ranges of one unit
+  std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
+  std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)
+  std::vector<float> row_f32;            // one K or V row converted to fp32
 };
 
-// Rows ahead of the current one whose K and V lines are prefetched in the q.k loop.
+// Rows ahead of the current one whose lines are prefetched in the row loops.
 constexpr int kPrefetchRows = 16;
-
-// e^x for x <= 0: the kExpCoef polynomial; x < kExpFloor (and -inf) gives exactly 0.  The scalar
-// twin's weights, and both twins' rescale factors of the online softmax.
-inline float exp_neg_scalar(float x) {
-  if (x < kExpFloor) return 0.f;
-  const float t = x * kLog2e;
-  const float k = std::nearbyint(t);  // round half to even, as _MM_FROUND_TO_NEAREST_INT
-  const float f = (t - k) * kLn2;
-  float p = kExpCoef[0];
-  for (int i = 1; i < kExpTerms; ++i) p = p * f + kExpCoef[i];
-  return std::ldexp(p, static_cast<int>(k));  // one rounding, as _mm512_scalef_ps
-}
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -169,7 +139,7 @@ const float* corr_table(int K, int L);
 // Collects the union over the unit's heads of the keys with >= 2 table collisions into
 // scratch.list (ascending ids) and scratch.rmask, and each head's sample count into counts[g].
 void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* counts);
-// Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into scratch.tile.
+// Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles.
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch);
 
 void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,

@@ -1,30 +1,26 @@
-// AVX-512 attention, the twin of attend_scalar (attend_scalar.cpp): the same blocks of an online
-// softmax, 16 entries per vector in the logits and softmax, 16 dims per vector in the dot products and the V
-// accumulation.
+// AVX-512 attention, the twin of attend_scalar (attend_scalar.cpp): 16 rows per vector in the
+// logits and softmax, 16 dims per vector in the dot products and the V accumulation.
 #if defined(__x86_64__)
 #include "simd_math.h"
 
 namespace mp {
 namespace {
 
-// Starts the loads of row i + kPrefetchRows: its K and V lines (side by side) and, for segments,
-// the line of its norm.
-inline void prefetch_ahead(const Rows& rows, int i, int d) {
-  if (i + kPrefetchRows >= rows.n) return;
-  prefetch_row(rows.row(rows.kb, i + kPrefetchRows, d), 2 * d);
-  if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
-}
-
-// q.k of rows [b0, b1) for every (row, head) the mask asks for, written to the head's next compact
-// entry (pos[g]), and for segments the row's |k - c| beside it.
-MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, int b0, int b1,
-                         int* pos) {
-  const int d = args.d;
+// Row pass 1: q.k for every (row, head) the mask asks for, written to the head's next compact
+// entry, and for segments the row's |k - c| beside it (the norm's line is prefetched with the row,
+// so the logits read both contiguously).
+MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch) {
+  const int d = args.d, n = rows.n;
   float* kf = scratch.row_f32.data();
   float* sc = scratch.scores.data();
   float* nm = scratch.norms.data();
-  for (int i = b0; i < b1; ++i) {
-    prefetch_ahead(rows, i, d);
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + heads.G, pos);
+  for (int i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) {
+      prefetch_row(rows.row(rows.kb, i + kPrefetchRows, d), d);
+      if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
+    }
     const uint16_t* kr = rows.row(rows.kb, i, d);
     for (int j = 0; j < d; j += 16) _mm512_storeu_ps(kf + j, load16(kr + j, args.dtype));
     const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
@@ -36,13 +32,17 @@ MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& he
   }
 }
 
-MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, int b0,
-                                 int b1, int* pos) {
-  const int d = args.d;
+MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch) {
+  const int d = args.d, n = rows.n;
   float* sc = scratch.scores.data();
   float* nm = scratch.norms.data();
-  for (int i = b0; i < b1; ++i) {
-    prefetch_ahead(rows, i, d);
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + heads.G, pos);
+  for (int i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) {
+      prefetch_row(rows.row(rows.kb, i + kPrefetchRows, d), d);
+      if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
+    }
     const uint16_t* kr = rows.row(rows.kb, i, d);
     const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
@@ -66,99 +66,86 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   scratch.scores.resize(rows.off[G]);
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
-  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
-  std::fill(part.max, part.max + G, NEG_INF);
-  std::fill(part.sum, part.sum + G, 0.f);
+  PhaseTimer pt;
+  if (isa == Isa::Avx512Bf16)
+    qk_avx512bf16(args, rows, heads, scratch);
+  else
+    qk_avx512(args, rows, heads, scratch);
+
+  // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over
+  // its compact entries, 16 at a time.
   const __m512 vscale = _mm512_set1_ps(args.scale), ninf = _mm512_set1_ps(NEG_INF);
   const __m512 tscale = _mm512_set1_ps(static_cast<float>(NT / PI));
-  float* vf = scratch.row_f32.data();
-  float* sc = scratch.scores.data();
-  PhaseTimer pt;
-  int pos[MAXG], start[MAXG];
-  std::copy(rows.off, rows.off + G, pos);
-  for (int b0 = 0, b1; b0 < n; b0 = b1) {
-    b1 = rows.block_end(b0);
-    std::copy(pos, pos + G, start);
-    if (isa == Isa::Avx512Bf16)
-      qk_avx512bf16(args, rows, heads, scratch, b0, b1, pos);
-    else
-      qk_avx512(args, rows, heads, scratch, b0, b1, pos);
-
-    // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys) of the block's entries, 16 at a
-    // time; the running max moves up to the block's and what was accumulated is rescaled; then
-    // softmax weights.
-    for (int g = 0; g < G; ++g) {
-      float* s = sc + start[g];
-      const float* nm = scratch.norms.data() + start[g];
-      const int c = pos[g] - start[g];
-      const __m512 qn = _mm512_set1_ps(heads.qn[g]), qdc = _mm512_set1_ps(heads.qdc[g]);
-      __m512 vmax = ninf;
+  for (int g = 0; g < G; ++g) {
+    float* s = scratch.scores.data() + rows.off[g];
+    const float* nm = scratch.norms.data() + rows.off[g];
+    const int c = rows.off[g + 1] - rows.off[g];
+    const __m512 qn = _mm512_set1_ps(heads.qn[g]), qdc = _mm512_set1_ps(heads.qdc[g]);
+    __m512 vmax = ninf;
+    for (int i = 0; i < c; i += 16) {
+      const __mmask16 live = live_lanes(c, i);
+      const __m512 qk = _mm512_maskz_loadu_ps(live, s + i);
+      __m512 v = _mm512_mul_ps(qk, vscale);
+      if (rows.seg) {
+        const __m512 kn = _mm512_maskz_loadu_ps(live, nm + i);
+        const __m512 den = _mm512_mul_ps(qn, kn);
+        const __mmask16 ok = _mm512_cmp_ps_mask(den, _mm512_set1_ps(kMinNormProduct), _CMP_GT_OQ) & live;
+        __m512 cs = _mm512_maskz_div_ps(ok, _mm512_sub_ps(qk, qdc), den);
+        cs = _mm512_min_ps(_mm512_max_ps(cs, _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+        const __m512 x = _mm512_mul_ps(acos_ps(cs), tscale);
+        __m512i i0 = _mm512_cvttps_epi32(x);
+        i0 = _mm512_min_epi32(_mm512_max_epi32(i0, _mm512_setzero_si512()), _mm512_set1_epi32(NT - 1));
+        const __m512 fr = _mm512_sub_ps(x, _mm512_cvtepi32_ps(i0));
+        const __m512 f0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, i0, neg_log_u_table, 4);
+        const __m512 f1 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live,
+                                                   _mm512_add_epi32(i0, _mm512_set1_epi32(1)), neg_log_u_table, 4);
+        v = _mm512_add_ps(v, _mm512_fmadd_ps(fr, _mm512_sub_ps(f1, f0), f0));
+      }
+      v = _mm512_mask_mov_ps(ninf, live, v);
+      _mm512_mask_storeu_ps(s + i, live, v);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    const float m = _mm512_reduce_max_ps(vmax);
+    float l = 0.f;
+    if (m != NEG_INF) {
+      __m512 vl = _mm512_setzero_ps();
+      const __m512 vm = _mm512_set1_ps(m);
       for (int i = 0; i < c; i += 16) {
         const __mmask16 live = live_lanes(c, i);
-        const __m512 qk = _mm512_maskz_loadu_ps(live, s + i);
-        __m512 v = _mm512_mul_ps(qk, vscale);
-        if (rows.seg) {
-          const __m512 kn = _mm512_maskz_loadu_ps(live, nm + i);
-          const __m512 den = _mm512_mul_ps(qn, kn);
-          const __mmask16 ok = _mm512_cmp_ps_mask(den, _mm512_set1_ps(kMinNormProduct), _CMP_GT_OQ) & live;
-          __m512 cs = _mm512_maskz_div_ps(ok, _mm512_sub_ps(qk, qdc), den);
-          cs = _mm512_min_ps(_mm512_max_ps(cs, _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
-          const __m512 x = _mm512_mul_ps(acos_ps(cs), tscale);
-          __m512i i0 = _mm512_cvttps_epi32(x);
-          i0 = _mm512_min_epi32(_mm512_max_epi32(i0, _mm512_setzero_si512()), _mm512_set1_epi32(NT - 1));
-          const __m512 fr = _mm512_sub_ps(x, _mm512_cvtepi32_ps(i0));
-          const __m512 f0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, i0, neg_log_u_table, 4);
-          const __m512 f1 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live,
-                                                     _mm512_add_epi32(i0, _mm512_set1_epi32(1)), neg_log_u_table, 4);
-          v = _mm512_add_ps(v, _mm512_fmadd_ps(fr, _mm512_sub_ps(f1, f0), f0));
-        }
-        v = _mm512_mask_mov_ps(ninf, live, v);
-        _mm512_mask_storeu_ps(s + i, live, v);
-        vmax = _mm512_max_ps(vmax, v);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + i), vm)));
+        _mm512_mask_storeu_ps(s + i, live, p);
+        vl = _mm512_add_ps(vl, p);
       }
-      const float bm = _mm512_reduce_max_ps(vmax);
-      if (bm > part.max[g]) {
-        const float r = exp_neg_scalar(part.max[g] - bm);  // 0 while the max was -inf
-        const __m512 vr = _mm512_set1_ps(r);
-        float* acc = part.acc + static_cast<size_t>(g) * d;
-        for (int j = 0; j < d; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), vr));
-        part.sum[g] *= r;
-        part.max[g] = bm;
-      }
-      const float m = part.max[g];
-      if (m != NEG_INF) {
-        __m512 vl = _mm512_setzero_ps();
-        const __m512 vm = _mm512_set1_ps(m);
-        for (int i = 0; i < c; i += 16) {
-          const __mmask16 live = live_lanes(c, i);
-          const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + i), vm)));
-          _mm512_mask_storeu_ps(s + i, live, p);
-          vl = _mm512_add_ps(vl, p);
-        }
-        part.sum[g] += _mm512_reduce_add_ps(vl);
-      } else {  // no finite logit yet: zero weights
-        std::fill(s, s + c, 0.f);
-      }
+      l = _mm512_reduce_add_ps(vl);
+    } else {  // no row for this head (or none with a finite logit): zero weights
+      std::fill(s, s + c, 0.f);
     }
-    pt.tick(kPhaseGatherLogits);
-
-    // acc[g] += p[g] * v for every (row, head) of the mask, each V row (in cache since its K row
-    // was read) converted once for all heads.
-    for (int i = b0; i < b1; ++i) {
-      const uint16_t* vr = rows.row(rows.vb, i, d);
-      for (int j = 0; j < d; j += 16) _mm512_storeu_ps(vf + j, load16(vr + j, args.dtype));
-      for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
-        const int g = __builtin_ctz(msk);
-        const float p = sc[start[g]++];
-        if (p == 0.f) continue;
-        const __m512 vp = _mm512_set1_ps(p);
-        float* acc = part.acc + static_cast<size_t>(g) * d;
-        for (int j = 0; j < d; j += 16)
-          _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(vp, _mm512_loadu_ps(vf + j), _mm512_loadu_ps(acc + j)));
-      }
-    }
-    pt.tick(kPhaseSoftmaxV);
+    part.max[g] = m;
+    part.sum[g] = l;
   }
+  pt.tick(kPhaseGatherLogits);
+
+  // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
+  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
+  float* vf = scratch.row_f32.data();
+  const float* sc = scratch.scores.data();
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + G, pos);
+  for (int i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) prefetch_row(rows.row(rows.vb, i + kPrefetchRows, d), d);
+    const uint16_t* vr = rows.row(rows.vb, i, d);
+    for (int j = 0; j < d; j += 16) _mm512_storeu_ps(vf + j, load16(vr + j, args.dtype));
+    for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
+      const int g = __builtin_ctz(msk);
+      const float p = sc[pos[g]++];
+      if (p == 0.f) continue;
+      const __m512 vp = _mm512_set1_ps(p);
+      float* acc = part.acc + static_cast<size_t>(g) * d;
+      for (int j = 0; j < d; j += 16)
+        _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(vp, _mm512_loadu_ps(vf + j), _mm512_loadu_ps(acc + j)));
+    }
+  }
+  pt.tick(kPhaseSoftmaxV);
 }
 
 }  // namespace mp

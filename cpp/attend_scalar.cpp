@@ -1,5 +1,5 @@
 // Scalar attention, the twin of attend_avx512 (attend_avx512.cpp) and the production path on CPUs
-// without AVX-512.  Same blocks and phases, same correction table and interpolation, same acos and e^x
+// without AVX-512.  Same three phases, same correction table and interpolation, same acos and e^x
 // polynomials, same zero-weight skip: the two differ only in vector width, FMA and summation order.
 // Also home of the correction table both paths read.
 #include <cmath>
@@ -44,6 +44,16 @@ inline float acos_poly(float x) {
   return x < 0.f ? static_cast<float>(PI) - r : r;
 }
 
+inline float exp_neg(float x) {
+  if (x < kExpFloor) return 0.f;  // also -inf
+  const float t = x * kLog2e;
+  const float k = std::nearbyint(t);  // round half to even, as _MM_FROUND_TO_NEAREST_INT
+  const float f = (t - k) * kLn2;
+  float p = kExpCoef[0];
+  for (int i = 1; i < kExpTerms; ++i) p = p * f + kExpCoef[i];
+  return std::ldexp(p, static_cast<int>(k));  // one rounding, as _mm512_scalef_ps
+}
+
 // -log(u + 1e-4) for a sampled key: linear interpolation of the table at theta = acos(cs).
 inline float correction(float qk, float qn, float qdc, float knorm, const float* table) {
   const float den = qn * knorm;
@@ -68,76 +78,67 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   float* row = scratch.row_f32.data();
   float* sc = scratch.scores.data();
   float* nm = scratch.norms.data();
-  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
-  std::fill(part.max, part.max + G, NEG_INF);
-  std::fill(part.sum, part.sum + G, 0.f);
   PhaseTimer pt;
-  int pos[MAXG], start[MAXG];
+
+  // q.k for every (row, head) the mask asks for, into the head's next compact entry, with the
+  // row's |k - c| beside it for segments.
+  int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
-  for (int b0 = 0, b1; b0 < n; b0 = b1) {
-    b1 = rows.block_end(b0);
-    std::copy(pos, pos + G, start);
-    // q.k for every (row, head) the mask asks for, into the head's next compact entry, with the
-    // row's |k - c| beside it for segments.
-    for (int i = b0; i < b1; ++i) {
-      const uint16_t* kr = rows.row(rows.kb, i, d);
-      for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
-      const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
-      for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
-        const int g = __builtin_ctz(m), p = pos[g]++;
-        float qk = 0.f;
-        for (int j = 0; j < d; ++j) qk += heads.q[g][j] * row[j];
-        sc[p] = qk;
-        nm[p] = kn;
-      }
+  for (int i = 0; i < n; ++i) {
+    const uint16_t* kr = rows.row(rows.kb, i, d);
+    for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
+    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+      const int g = __builtin_ctz(m), p = pos[g]++;
+      float qk = 0.f;
+      for (int j = 0; j < d; ++j) qk += heads.q[g][j] * row[j];
+      sc[p] = qk;
+      nm[p] = kn;
     }
-    // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys) of the block's entries; the running
-    // max moves up to the block's and what was accumulated is rescaled; then softmax weights.
-    for (int g = 0; g < G; ++g) {
-      float* s = sc + start[g];
-      const float* kn = nm + start[g];
-      const int c = pos[g] - start[g];
-      float bm = NEG_INF;
-      for (int i = 0; i < c; ++i) {
-        float v = s[i] * args.scale;
-        if (rows.seg) v += correction(s[i], heads.qn[g], heads.qdc[g], kn[i], neg_log_u_table);
-        s[i] = v;
-        bm = std::max(bm, v);
-      }
-      if (bm > part.max[g]) {
-        const float r = exp_neg_scalar(part.max[g] - bm);  // 0 while the max was -inf
-        float* acc = part.acc + static_cast<size_t>(g) * d;
-        for (int j = 0; j < d; ++j) acc[j] *= r;
-        part.sum[g] *= r;
-        part.max[g] = bm;
-      }
-      const float m = part.max[g];
-      float l = 0.f;
-      if (m != NEG_INF) {
-        for (int i = 0; i < c; ++i) {
-          s[i] = exp_neg_scalar(s[i] - m);
-          l += s[i];
-        }
-      } else {  // no finite logit yet: zero weights
-        std::fill(s, s + c, 0.f);
-      }
-      part.sum[g] += l;
-    }
-    pt.tick(kPhaseGatherLogits);
-    // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
-    for (int i = b0; i < b1; ++i) {
-      const uint16_t* vr = rows.row(rows.vb, i, d);
-      for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);
-      for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
-        const int g = __builtin_ctz(msk);
-        const float p = sc[start[g]++];
-        if (p == 0.f) continue;
-        float* acc = part.acc + static_cast<size_t>(g) * d;
-        for (int j = 0; j < d; ++j) acc[j] += p * row[j];
-      }
-    }
-    pt.tick(kPhaseSoftmaxV);
   }
+
+  // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over
+  // its compact entries.
+  for (int g = 0; g < G; ++g) {
+    float* s = sc + rows.off[g];
+    const float* kn = nm + rows.off[g];
+    const int c = rows.off[g + 1] - rows.off[g];
+    float m = NEG_INF;
+    for (int i = 0; i < c; ++i) {
+      float v = s[i] * args.scale;
+      if (rows.seg) v += correction(s[i], heads.qn[g], heads.qdc[g], kn[i], neg_log_u_table);
+      s[i] = v;
+      m = std::max(m, v);
+    }
+    float l = 0.f;
+    if (m != NEG_INF) {
+      for (int i = 0; i < c; ++i) {
+        s[i] = exp_neg(s[i] - m);
+        l += s[i];
+      }
+    } else {  // no row for this head (or none with a finite logit): zero weights
+      std::fill(s, s + c, 0.f);
+    }
+    part.max[g] = m;
+    part.sum[g] = l;
+  }
+  pt.tick(kPhaseGatherLogits);
+
+  // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
+  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
+  std::copy(rows.off, rows.off + G, pos);
+  for (int i = 0; i < n; ++i) {
+    const uint16_t* vr = rows.row(rows.vb, i, d);
+    for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);
+    for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
+      const int g = __builtin_ctz(msk);
+      const float p = sc[pos[g]++];
+      if (p == 0.f) continue;
+      float* acc = part.acc + static_cast<size_t>(g) * d;
+      for (int j = 0; j < d; ++j) acc[j] += p * row[j];
+    }
+  }
+  pt.tick(kPhaseSoftmaxV);
 }
 
 }  // namespace mp

@@ -116,14 +116,13 @@ struct HugePageAllocator {
 template <typename T>
 using BigVec = std::vector<T, HugePageAllocator<T>>;
 
-// One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens (each token's K
-// row and V row side by side, so a sampled token is one contiguous 4d-byte read) plus, per
+// One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
 // (KV head, table), a CSR bucket sort of its token ids.  Built once, then read-only, so it may be
 // shared by any number of concurrent kernel calls.
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
   bool dense_dir = true;                // dense 2^K offset table, else sorted distinct codes
-  BigVec<uint16_t> kv;                  // [hkv][n][2][d]: token i's K row, then its V row
+  BigVec<uint16_t> kmir, vmir;          // [hkv][n][d]
   BigVec<float> knorm;                  // [hkv][n]  |k - c|, fp32
   BigVec<uint16_t> ids;                 // [hkv*L][n] token ids grouped by bucket (ascending inside)
   BigVec<uint16_t> off;                 // dense: [hkv*L][2^K + 1] bucket starts
@@ -168,7 +167,7 @@ struct Segment {
   size_t index_bytes() const {
     return ids.size() * 2 + off.size() * 2 + dir_begin.size() * 4 + ucode.size() * 2 + ustart.size() * 2;
   }
-  size_t mirror_bytes() const { return kv.size() * 2 + knorm.size() * 4; }
+  size_t mirror_bytes() const { return (kmir.size() + vmir.size()) * 2 + knorm.size() * 4; }
 };
 
 using SegmentPtr = std::shared_ptr<const Segment>;

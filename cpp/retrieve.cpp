@@ -17,32 +17,30 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   const int G = unit.G, L = args.L, words = (seg.n + 63) / 64;
   const int32_t* qc = args.qcodes + (static_cast<size_t>(unit.r) * args.H + unit.h0) * L;
   auto code = [&](int g, int l) { return static_cast<uint32_t>(qc[static_cast<size_t>(g) * L + l]); };
-  // The index is far larger than the caches, so each (table, head) bucket costs two DRAM misses:
-  // its directory entry, then its ids.  Per head the walk is software-pipelined over the tables:
-  // the directory entry of table l + kDirAhead is prefetched and bucket l + kIdsAhead resolved (its
-  // ids prefetched) while bucket l is counted, so the misses overlap with the counting and with
-  // each other without flooding the miss queue.
-  constexpr int kDirAhead = 16, kIdsAhead = 8;
-  scratch.buckets.resize(L);
-  Segment::Bucket* bk = scratch.buckets.data();
+  // The index is far larger than the caches, so each (table, head) bucket costs two DRAM misses
+  // (directory, then ids).  Resolve all bucket ranges first with prefetches in flight, so the
+  // misses overlap instead of serialising inside the walk.
+  scratch.buckets.resize(static_cast<size_t>(L) * G);
+  for (int l = 0; l < L; ++l)
+    for (int g = 0; g < G; ++g) seg.prefetch_bucket(unit.kvh * L + l, code(g, l));
+  for (int l = 0; l < L; ++l) {
+    const int t = unit.kvh * L + l;
+    for (int g = 0; g < G; ++g) {
+      const Segment::Bucket b = seg.bucket(t, code(g, l));
+      scratch.buckets[l * G + g] = b;
+      const uint16_t* p = seg.table_ids(t) + b.begin;
+      for (int k = 0; k < b.end - b.begin; k += 32) __builtin_prefetch(p + k);
+    }
+  }
   scratch.hits.resize(static_cast<size_t>(words) * 2);
   scratch.sampled.resize(static_cast<size_t>(words) * G);
   uint64_t* hits = scratch.hits.data();
-  const int t0 = unit.kvh * L;
-  auto resolve = [&](int g, int l) {
-    bk[l] = seg.bucket(t0 + l, code(g, l));
-    const uint16_t* p = seg.table_ids(t0 + l) + bk[l].begin;
-    for (int k = 0; k < bk[l].end - bk[l].begin; k += 32) __builtin_prefetch(p + k);
-  };
   for (int g = 0; g < G; ++g) {
-    for (int l = 0; l < std::min(L, kDirAhead); ++l) seg.prefetch_bucket(t0 + l, code(g, l));
-    for (int l = 0; l < std::min(L, kIdsAhead); ++l) resolve(g, l);
     std::memset(hits, 0, static_cast<size_t>(words) * 2 * sizeof(uint64_t));
     for (int l = 0; l < L; ++l) {
-      if (l + kDirAhead < L) seg.prefetch_bucket(t0 + l + kDirAhead, code(g, l + kDirAhead));
-      if (l + kIdsAhead < L) resolve(g, l + kIdsAhead);
-      const uint16_t* ids = seg.table_ids(t0 + l);
-      for (int i = bk[l].begin; i < bk[l].end; ++i) {
+      const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
+      const Segment::Bucket b = scratch.buckets[l * G + g];
+      for (int i = b.begin; i < b.end; ++i) {
         const uint32_t id = ids[i];
         uint64_t* w = hits + 2 * (id >> 6);
         const uint64_t bit = uint64_t{1} << (id & 63);
@@ -79,15 +77,16 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch) {
   const int d = args.d, nr = unit.end - unit.begin;
-  scratch.tile.resize(static_cast<size_t>(nr) * 2 * d);
+  scratch.ktile.resize(static_cast<size_t>(nr) * d);
+  scratch.vtile.resize(static_cast<size_t>(nr) * d);
   for (int i = 0; i < nr; ++i) {
     const int p = unit.begin + i;
     const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / args.block_size];
     const int64_t off = p % args.block_size;
     const uint16_t* kr = args.kc + blk * args.ks[0] + off * args.ks[1] + unit.kvh * args.ks[2];
     const uint16_t* vr = args.vc + blk * args.vs[0] + off * args.vs[1] + unit.kvh * args.vs[2];
-    uint16_t* kt = scratch.tile.data() + static_cast<size_t>(i) * 2 * d;
-    uint16_t* vt = kt + d;
+    uint16_t* kt = scratch.ktile.data() + static_cast<size_t>(i) * d;
+    uint16_t* vt = scratch.vtile.data() + static_cast<size_t>(i) * d;
     if (args.ks[3] == 1)
       std::memcpy(kt, kr, d * 2);
     else

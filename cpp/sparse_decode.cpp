@@ -132,8 +132,8 @@ void sparse_decode(const AttnArgs& args) {
       }
       const Segment& seg = *unit.seg;
       const size_t base = static_cast<size_t>(unit.kvh) * seg.n;
-      rows.kb = seg.kv.data() + base * 2 * args.d;
-      rows.vb = rows.kb + args.d;
+      rows.kb = seg.kmir.data() + base * args.d;
+      rows.vb = seg.vmir.data() + base * args.d;
       rows.idx = scratch.list.data();
       rows.mask = scratch.rmask.data();
       rows.knorm = seg.knorm.data() + base;
@@ -144,8 +144,8 @@ void sparse_decode(const AttnArgs& args) {
       gather_dense(args, unit, scratch);
       rows.n = unit.end - unit.begin;
       scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
-      rows.kb = scratch.tile.data();
-      rows.vb = rows.kb + args.d;
+      rows.kb = scratch.ktile.data();
+      rows.vb = scratch.vtile.data();
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
       std::fill_n(part_count + slot, unit.G, int64_t{0});
       for (int g = 0; g <= unit.G; ++g) rows.off[g] = g * rows.n;
