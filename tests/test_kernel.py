@@ -234,6 +234,23 @@ def test_retrieval_bitset_word_boundaries(force_scalar):
         check_case(c, seed, force_scalar, f"K={K} L={L}")
 
 
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_long_segment_and_late_maximum(force_scalar):
+    """A 5000-token segment with dense sampling (K=3) and sparse sampling (K=9), and a key planted
+    near its end far above the rest (the softmax maximum comes from the segment's last rows)."""
+    seed, gen = new_seed()
+    for K, L in ((3, 20), (9, 40)):
+        c = Case(gen, [5100], 2, 3, 64, K, L, seg_sizes=[[5000]], window=16)
+        check_case(c, seed, force_scalar, f"K={K} L={L}")
+    c = Case(gen, [5100], 1, 2, 64, 3, 20, seg_sizes=[[5000]], window=16)
+    keys, vals = c.ctx[0]
+    # Token 4990 (id 4986 of the segment): centred, it points along head 0's query.
+    keys[4990, 0] = (c.centres[0][0] + 3 * c.query[0, 0].float()).to(keys.dtype)
+    c.segs = [[kx.build_segment(keys[4:5004], vals[4:5004], c.centres[0], c.W, c.K, c.L)]]
+    out, _, _ = check_case(c, seed, force_scalar, "late max")
+    assert (out[0, 0].double() - vals[4990, 0].double()).abs().max() < 0.05, f"planted key must dominate (seed={seed})"
+
+
 def test_head_chunking_never_changes_results():
     """The driver splits a KV head's query heads into smaller units when segment units are too few
     for the team (6 heads over 4 segments: chunks of 6, 5, 2 and 1 heads on 1, 2, 3 and 8 threads);
