@@ -38,21 +38,24 @@ constexpr float kExpFloor = -87.f;
 // treated as orthogonal (cos = 0).
 constexpr float kMinNormProduct = 1e-30f;
 
-// Query head h reads KV head h / gsz; the gsz query heads of one KV head go in chunks of <= MAXG
-// (one bit each in a uint16 mask).  The unit builder and the merge both go through this, so a
-// head's partial is read back from the slot it was written to.
+// Query head h reads KV head h / gsz; the gsz query heads of one KV head go in chunks of <= chunk
+// (<= MAXG, one bit each in a uint16 mask).  The unit builder and the merge both go through this, so
+// a head's partial is read back from the slot it was written to.  Every head's result is the same
+// whatever the chunk size (retrieval, logits and accumulation are per head, in ascending token
+// order), so the driver may pick it for load balance.
 struct HeadGroups {
-  int hkv, gsz, nchunk;
-  HeadGroups(int H, int hkv_) : hkv(hkv_), gsz(H / hkv_), nchunk((H / hkv_ + MAXG - 1) / MAXG) {}
-  int index(int r, int kvh, int chunk) const { return (r * hkv + kvh) * nchunk + chunk; }
-  int first_head(int kvh, int chunk) const { return kvh * gsz + chunk * MAXG; }
-  int size(int chunk) const { return std::min(MAXG, gsz - chunk * MAXG); }
+  int hkv, gsz, chunk, nchunk;
+  HeadGroups(int H, int hkv_, int chunk_)
+      : hkv(hkv_), gsz(H / hkv_), chunk(chunk_), nchunk((H / hkv_ + chunk_ - 1) / chunk_) {}
+  int index(int r, int kvh, int c) const { return (r * hkv + kvh) * nchunk + c; }
+  int first_head(int kvh, int c) const { return kvh * gsz + c * chunk; }
+  int size(int c) const { return std::min(chunk, gsz - c * chunk); }
   struct Slot {
     int group, lane;  // group index(r, kvh, chunk); lane = head - first_head(kvh, chunk)
   };
   Slot head_group(int r, int h) const {
-    const int kvh = h / gsz, chunk = (h - kvh * gsz) / MAXG;
-    return {index(r, kvh, chunk), h - first_head(kvh, chunk)};
+    const int kvh = h / gsz, c = (h - kvh * gsz) / chunk;
+    return {index(r, kvh, c), h - first_head(kvh, c)};
   }
 };
 
@@ -62,7 +65,11 @@ struct Unit {
   int begin, end;
 };
 
-// The rows one unit attends to, all in row-major [d] layout of the cache dtype.
+// The rows one unit attends to, all in row-major [d] layout of the cache dtype: the union over
+// the unit's heads, in ascending token order, with a mask of the heads that attend each row.
+// Head g's own rows, in the same order, get the compact entries [off[g], off[g + 1]) of the
+// per-entry scratch arrays (scores, norms), so the logits and the softmax run over dense arrays
+// and a head's arithmetic never depends on which other heads share its unit.
 struct Rows {
   const uint16_t* kb;
   const uint16_t* vb;
@@ -71,6 +78,7 @@ struct Rows {
   const float* knorm;    // segment only: |k - c| by token id
   int n;
   bool seg;
+  int off[MAXG + 1];
   const uint16_t* row(const uint16_t* base, int i, int d) const {
     return base + static_cast<size_t>(idx ? idx[i] : i) * d;
   }
@@ -90,19 +98,21 @@ struct Partial {
   float* acc;  // [G][d]
 };
 
-// Per-thread scratch, kept across calls so retrieval never clears O(n) memory per step.
+// Per-thread scratch, kept across calls.
 struct Scratch {
-  // cell[id*G + g]: retrieval epoch and collision count of token id for head g (retrieve.cpp).
-  std::vector<uint16_t> cell;
-  // sel[id]: epoch and mask of the heads that sampled id; lets us build the union list once.
-  std::vector<uint32_t> sel;
-  uint32_t epoch = 0;
-  int cap_g = 0;
-  std::vector<uint16_t> list, tmp, rmask, ktile, vtile, qbf;
+  // Collision bitsets of one head (retrieve.cpp): word pair 2w, 2w + 1 = tokens hit once, twice.
+  std::vector<uint64_t> hits;
+  std::vector<uint64_t> sampled;  // [G][words]: the tokens each head samples
+  std::vector<uint16_t> list, rmask, ktile, vtile;
+  std::vector<float> qf;                 // [G][d] the unit's queries in fp32
   std::vector<Segment::Bucket> buckets;  // [L][G] ranges of one unit
-  std::vector<float> scores;             // [G][n]: q.k, then logits, then softmax weights, in place
+  std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
+  std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)
   std::vector<float> row_f32;            // one K or V row converted to fp32
 };
+
+// Rows ahead of the current one whose lines are prefetched in the row loops.
+constexpr int kPrefetchRows = 16;
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -127,8 +137,8 @@ double sample_prob(double cs, int K, int L);
 const float* corr_table(int K, int L);
 
 // Collects the union over the unit's heads of the keys with >= 2 table collisions into
-// scratch.list (ascending ids) and scratch.rmask; adds each head's sample count.
-void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int64_t* sampled_per_head);
+// scratch.list (ascending ids) and scratch.rmask, and each head's sample count into counts[g].
+void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* counts);
 // Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles.
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch);
 

@@ -72,57 +72,67 @@ inline float correction(float qk, float qn, float qdc, float knorm, const float*
 void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                    const float* neg_log_u_table) {
   const int d = args.d, G = heads.G, n = rows.n;
-  scratch.scores.resize(static_cast<size_t>(G) * n);
+  scratch.scores.resize(rows.off[G]);
+  scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   float* row = scratch.row_f32.data();
+  float* sc = scratch.scores.data();
+  float* nm = scratch.norms.data();
   PhaseTimer pt;
 
-  // q.k for every (row, head) pair the mask asks for; other entries become -inf.
+  // q.k for every (row, head) the mask asks for, into the head's next compact entry, with the
+  // row's |k - c| beside it for segments.
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
     const uint16_t* kr = rows.row(rows.kb, i, d);
     for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
-    for (int g = 0; g < G; ++g) {
-      float qk = NEG_INF;
-      if ((rows.mask[i] >> g) & 1) {
-        qk = 0.f;
-        for (int j = 0; j < d; ++j) qk += heads.q[g][j] * row[j];
-      }
-      scratch.scores[static_cast<size_t>(g) * n + i] = qk;
+    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+      const int g = __builtin_ctz(m), p = pos[g]++;
+      float qk = 0.f;
+      for (int j = 0; j < d; ++j) qk += heads.q[g][j] * row[j];
+      sc[p] = qk;
+      nm[p] = kn;
     }
   }
 
-  // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head.
+  // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over
+  // its compact entries.
   for (int g = 0; g < G; ++g) {
-    float* s = scratch.scores.data() + static_cast<size_t>(g) * n;
+    float* s = sc + rows.off[g];
+    const float* kn = nm + rows.off[g];
+    const int c = rows.off[g + 1] - rows.off[g];
     float m = NEG_INF;
-    for (int i = 0; i < n; ++i) {
-      if (!((rows.mask[i] >> g) & 1)) continue;  // already -inf
+    for (int i = 0; i < c; ++i) {
       float v = s[i] * args.scale;
-      if (rows.seg) v += correction(s[i], heads.qn[g], heads.qdc[g], rows.knorm[rows.idx[i]], neg_log_u_table);
+      if (rows.seg) v += correction(s[i], heads.qn[g], heads.qdc[g], kn[i], neg_log_u_table);
       s[i] = v;
       m = std::max(m, v);
     }
     float l = 0.f;
     if (m != NEG_INF) {
-      for (int i = 0; i < n; ++i) {
+      for (int i = 0; i < c; ++i) {
         s[i] = exp_neg(s[i] - m);
         l += s[i];
       }
-    } else {  // no row for this head: zero weights, so the V pass skips them all
-      std::fill(s, s + n, 0.f);
+    } else {  // no row for this head (or none with a finite logit): zero weights
+      std::fill(s, s + c, 0.f);
     }
     part.max[g] = m;
     part.sum[g] = l;
   }
   pt.tick(kPhaseGatherLogits);
 
-  // acc[g] += p[g][i] * v_i, each V row converted once for all heads.
+  // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
   std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
+  std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
     const uint16_t* vr = rows.row(rows.vb, i, d);
     for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);
-    for (int g = 0; g < G; ++g) {
-      const float p = scratch.scores[static_cast<size_t>(g) * n + i];
+    for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
+      const int g = __builtin_ctz(msk);
+      const float p = sc[pos[g]++];
       if (p == 0.f) continue;
       float* acc = part.acc + static_cast<size_t>(g) * d;
       for (int j = 0; j < d; ++j) acc[j] += p * row[j];

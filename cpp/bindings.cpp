@@ -172,11 +172,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "sparse_decode",
-      [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, bool q_is_bf16,
-         uintptr_t qcodes, uintptr_t qdc, const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc,
+      [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, int q_dtype, uintptr_t qcodes,
+         uintptr_t qdc, const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc,
          std::vector<int64_t> ks, uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size,
-         uintptr_t ranges, uintptr_t out, uintptr_t lse, uintptr_t counts, bool force_scalar, int num_threads) {
+         uintptr_t ranges, uintptr_t out, int out_dtype, uintptr_t lse, uintptr_t counts, bool force_scalar,
+         int num_threads) {
         const char* fn = "sparse_decode";
+        require(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
+                std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
+        require(out_dtype == BF16 || out_dtype == FP32,
+                std::string(fn) + ": out_dtype must be 0 (bf16) or 2 (fp32), got " + num(out_dtype));
         require(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
         require(hkv >= 1 && H % hkv == 0,
                 std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
@@ -209,8 +214,8 @@ PYBIND11_MODULE(_C, m) {
         a.L = L;
         a.dtype = dtype;
         a.scale = scale;
-        a.q = ptr<const float>(q);
-        a.q_is_bf16 = q_is_bf16;
+        a.q = ptr<const void>(q);
+        a.q_dtype = q_dtype;
         a.qcodes = ptr<const int32_t>(qcodes);
         a.qdc = ptr<const float>(qdc);
         a.segs = &sg;
@@ -224,7 +229,8 @@ PYBIND11_MODULE(_C, m) {
         a.max_blocks = max_blocks;
         a.block_size = block_size;
         a.ranges = ptr<const int32_t>(ranges);
-        a.out = ptr<float>(out);
+        a.out = ptr<void>(out);
+        a.out_dtype = out_dtype;
         a.lse = ptr<float>(lse);
         a.counts = ptr<int64_t>(counts);
         a.force_scalar = force_scalar;
@@ -233,9 +239,9 @@ PYBIND11_MODULE(_C, m) {
         sparse_decode(a);
       },
       py::arg("R"), py::arg("H"), py::arg("hkv"), py::arg("d"), py::arg("K"), py::arg("L"), py::arg("dtype"),
-      py::arg("scale"), py::arg("q"), py::arg("q_is_bf16"), py::arg("qcodes"), py::arg("qdc"), py::arg("segs"),
+      py::arg("scale"), py::arg("q"), py::arg("q_dtype"), py::arg("qcodes"), py::arg("qdc"), py::arg("segs"),
       py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"), py::arg("max_blocks"),
-      py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("lse"), py::arg("counts"),
+      py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("out_dtype"), py::arg("lse"), py::arg("counts"),
       py::arg("force_scalar"), py::arg("num_threads") = 0);
 
   m.def(

@@ -15,12 +15,15 @@
 // vLLM CUDA worker sets to 1: callers there pass their own count.
 #pragma once
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace mp {
@@ -28,7 +31,7 @@ namespace mp {
 // Token ids and bucket offsets (which reach n) inside a segment are uint16.
 constexpr int kMaxSegmentTokens = 32768;
 
-enum DType : int { BF16 = 0, FP16 = 1 };
+enum DType : int { BF16 = 0, FP16 = 1, FP32 = 2 };  // FP32: queries and outputs only
 
 // The team size of a region opened for a caller that asked for `requested` threads.
 inline int team_size(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
@@ -67,16 +70,63 @@ inline float fp16_to_f(uint16_t h) {
 
 inline float to_f(uint16_t h, int dtype) { return dtype == BF16 ? bf16_to_f(h) : fp16_to_f(h); }
 
+// float -> bf16, rounding to nearest even as torch does (a NaN stays a quiet NaN).
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Allocator for the big arrays of a segment: from 2 MiB up they are 2 MiB aligned and advised as
+// transparent huge pages.  Decode reads sampled rows and buckets at random over tens of MB, so with
+// 4 KiB pages nearly every row is also a TLB miss (a nested page walk under a hypervisor).
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  static constexpr size_t kHuge = size_t{2} << 20;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kHuge) return std::allocator<T>().allocate(n);
+    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, rounded);
+    if (!p) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kHuge)
+      std::allocator<T>().deallocate(p, n);
+    else
+      std::free(p);
+  }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const HugePageAllocator<U>&) const {
+    return false;
+  }
+};
+template <typename T>
+using BigVec = std::vector<T, HugePageAllocator<T>>;
+
 // One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
 // (KV head, table), a CSR bucket sort of its token ids.  Built once, then read-only, so it may be
 // shared by any number of concurrent kernel calls.
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
   bool dense_dir = true;                // dense 2^K offset table, else sorted distinct codes
-  std::vector<uint16_t> kmir, vmir;     // [hkv][n][d]
-  std::vector<float> knorm;             // [hkv][n]  |k - c|, fp32
-  std::vector<uint16_t> ids;            // [hkv*L][n] token ids grouped by bucket (ascending inside)
-  std::vector<uint16_t> off;            // dense: [hkv*L][2^K + 1] bucket starts
+  BigVec<uint16_t> kmir, vmir;          // [hkv][n][d]
+  BigVec<float> knorm;                  // [hkv][n]  |k - c|, fp32
+  BigVec<uint16_t> ids;                 // [hkv*L][n] token ids grouped by bucket (ascending inside)
+  BigVec<uint16_t> off;                 // dense: [hkv*L][2^K + 1] bucket starts
   std::vector<uint32_t> dir_begin;      // compact: [hkv*L + 1] range into ucode/ustart
   std::vector<uint16_t> ucode, ustart;  // compact: distinct codes (ascending) and bucket starts
 
@@ -156,8 +206,8 @@ void recover_codes(const Segment& s, int t, uint16_t* codes);
 struct AttnArgs {
   int R, H, hkv, d, K, L, dtype;  // R: requests, H: query heads, hkv: KV heads
   float scale;
-  const float* q;         // [R][H][d] fp32
-  bool q_is_bf16;         // q values are exactly bf16 (enables the avx512bf16 dot)
+  const void* q;          // [R][H][d] of q_dtype
+  int q_dtype;            // BF16 (enables the avx512bf16 dot on a bf16 cache), FP16 or FP32
   const int32_t* qcodes;  // [R][H][L]
   const float* qdc;       // [R][H]
   const std::vector<std::vector<SegmentPtr>>* segs;
@@ -168,7 +218,8 @@ struct AttnArgs {
   const int32_t* block_table;
   int max_blocks, block_size;
   const int32_t* ranges;  // [R][2][2]
-  float* out;             // [R][H][d] fp32
+  void* out;              // [R][H][d] of out_dtype
+  int out_dtype;          // BF16 or FP32
   float* lse;             // [R][H]
   int64_t* counts;        // [R][H]
   bool force_scalar;

@@ -1,70 +1,20 @@
 // The rows a unit attends to: LSH retrieval (>= 2 collisions) from a segment, or a dense tile
 // gathered from the paged cache.
 #include <algorithm>
+#include <cstring>
 
 #include "attend.h"
 
 namespace mp {
-namespace {
 
-// A cell is a uint16 per (token id, head): the retrieval epoch that last touched it (high 14 bits)
-// and its collision count in that epoch (low 2 bits, saturating at 3).  A cell from an older epoch
-// reads as "no collision yet", so cells never need clearing between units.
-constexpr uint32_t kEpochMask = 0x3fff;
-constexpr uint32_t kCountSaturated = 3;
-inline uint32_t cell_pack(uint32_t epoch, uint32_t count) { return epoch << 2 | count; }
-inline uint32_t cell_epoch(uint32_t cell) { return cell >> 2; }
-inline uint32_t cell_count(uint32_t cell) { return cell & 3; }
-
-// A sel entry is a uint32 per token id: the epoch in which some head first sampled it (high 16
-// bits) and the mask of the heads that sampled it (low 16 bits, one per head of the unit).
-inline uint32_t sel_pack(uint32_t epoch, uint32_t mask) { return epoch << 16 | mask; }
-inline uint32_t sel_epoch(uint32_t sel) { return sel >> 16; }
-inline uint16_t sel_mask(uint32_t sel) { return static_cast<uint16_t>(sel & 0xffff); }
-
-void radix_sort_u16(std::vector<uint16_t>& v, std::vector<uint16_t>& tmp) {
-  if (v.size() < 64) {
-    std::sort(v.begin(), v.end());
-    return;
-  }
-  tmp.resize(v.size());
-  for (int shift = 0; shift < 16; shift += 8) {
-    uint32_t cnt[257] = {0};
-    for (uint16_t x : v) ++cnt[((x >> shift) & 0xff) + 1];
-    for (int b = 0; b < 256; ++b) cnt[b + 1] += cnt[b];
-    for (uint16_t x : v) tmp[cnt[(x >> shift) & 0xff]++] = x;
-    v.swap(tmp);
-  }
-}
-
-// Starts a new epoch for a unit over n tokens and G heads, clearing only when the scratch grows,
-// the head count changes or the epoch wraps.
-uint32_t next_epoch(Scratch& scratch, int n, int G) {
-  if (static_cast<int>(scratch.sel.size()) < n || scratch.cap_g != G) {
-    scratch.cap_g = G;
-    scratch.sel.assign(std::max<size_t>(scratch.sel.size(), n), 0);
-    scratch.cell.assign(scratch.sel.size() * G, 0);
-    scratch.epoch = 0;
-  }
-  scratch.epoch = (scratch.epoch + 1) & kEpochMask;
-  if (scratch.epoch == 0) {
-    std::fill(scratch.sel.begin(), scratch.sel.end(), 0u);
-    std::fill(scratch.cell.begin(), scratch.cell.end(), 0);
-    scratch.epoch = 1;
-  }
-  return scratch.epoch;
-}
-
-}  // namespace
-
-void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int64_t* sampled_per_head) {
+// Retrieval counts collisions per head in two bitsets over the segment's token ids (hit at least
+// once, hit at least twice), interleaved word by word so that one token's update touches one
+// cache line: 16 bytes per 64 tokens, 8 KiB for a full 32K-token segment, so the whole count stays
+// in L1 and needs no branch.  The tokens hit twice come out of the second bitset already in
+// ascending order, so neither a sort nor a per-token epoch is needed.
+void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* counts) {
   const Segment& seg = *unit.seg;
-  const int G = unit.G, L = args.L;
-  const uint32_t ep = next_epoch(scratch, seg.n, G);
-  scratch.list.clear();
-  scratch.rmask.clear();
-  uint16_t* cell = scratch.cell.data();
-  uint32_t* sel = scratch.sel.data();
+  const int G = unit.G, L = args.L, words = (seg.n + 63) / 64;
   const int32_t* qc = args.qcodes + (static_cast<size_t>(unit.r) * args.H + unit.h0) * L;
   auto code = [&](int g, int l) { return static_cast<uint32_t>(qc[static_cast<size_t>(g) * L + l]); };
   // The index is far larger than the caches, so each (table, head) bucket costs two DRAM misses
@@ -82,35 +32,47 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int64_t*
       for (int k = 0; k < b.end - b.begin; k += 32) __builtin_prefetch(p + k);
     }
   }
-  for (int l = 0; l < L; ++l) {
-    const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
-    for (int g = 0; g < G; ++g) {
+  scratch.hits.resize(static_cast<size_t>(words) * 2);
+  scratch.sampled.resize(static_cast<size_t>(words) * G);
+  uint64_t* hits = scratch.hits.data();
+  for (int g = 0; g < G; ++g) {
+    std::memset(hits, 0, static_cast<size_t>(words) * 2 * sizeof(uint64_t));
+    for (int l = 0; l < L; ++l) {
+      const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
       const Segment::Bucket b = scratch.buckets[l * G + g];
       for (int i = b.begin; i < b.end; ++i) {
         const uint32_t id = ids[i];
-        uint16_t& c = cell[id * G + g];
-        // Branch-free (the first/second-hit branch is a coin flip): a stale epoch restarts the
-        // count at 1, a live one counts up and saturates so it never spills into the epoch.
-        const uint32_t old = c;
-        const uint32_t count = cell_epoch(old) == ep ? cell_count(old) + (cell_count(old) != kCountSaturated) : 1;
-        c = static_cast<uint16_t>(cell_pack(ep, count));
-        if (count != 2) continue;  // a key is sampled on its second collision, and only then
-        ++sampled_per_head[g];
-        uint32_t& s = sel[id];
-        if (sel_epoch(s) != ep) {
-          s = sel_pack(ep, 1u << g);
-          scratch.list.push_back(static_cast<uint16_t>(id));
-        } else {
-          s |= 1u << g;
-        }
+        uint64_t* w = hits + 2 * (id >> 6);
+        const uint64_t bit = uint64_t{1} << (id & 63);
+        w[1] |= w[0] & bit;  // a second collision samples the key
+        w[0] |= bit;
       }
     }
+    uint64_t* s = scratch.sampled.data() + static_cast<size_t>(g) * words;
+    int c = 0;
+    for (int w = 0; w < words; ++w) {
+      s[w] = hits[2 * w + 1];
+      c += __builtin_popcountll(s[w]);
+    }
+    counts[g] = c;
   }
-  // Ascending ids turn the row gathers into forward strides the prefetcher follows; a two-pass
-  // byte radix sort keeps this linear in the sample size.
-  radix_sort_u16(scratch.list, scratch.tmp);
-  scratch.rmask.resize(scratch.list.size());
-  for (size_t i = 0; i < scratch.list.size(); ++i) scratch.rmask[i] = sel_mask(sel[scratch.list[i]]);
+  // The union over heads, ascending, with the mask of the heads that sampled each key.
+  scratch.list.clear();
+  scratch.rmask.clear();
+  const uint64_t* sampled = scratch.sampled.data();
+  for (int w = 0; w < words; ++w) {
+    uint64_t u = 0;
+    for (int g = 0; g < G; ++g) u |= sampled[static_cast<size_t>(g) * words + w];
+    while (u) {
+      const int bit = __builtin_ctzll(u);
+      u &= u - 1;
+      uint32_t mask = 0;
+      for (int g = 0; g < G; ++g)
+        mask |= static_cast<uint32_t>((sampled[static_cast<size_t>(g) * words + w] >> bit) & 1) << g;
+      scratch.list.push_back(static_cast<uint16_t>(w * 64 + bit));
+      scratch.rmask.push_back(static_cast<uint16_t>(mask));
+    }
+  }
 }
 
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch) {

@@ -27,24 +27,25 @@ Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scrat
   Heads heads;
   heads.G = unit.G;
   heads.qbf = nullptr;
+  const size_t h0 = static_cast<size_t>(unit.r) * args.H + unit.h0;
+  scratch.qf.resize(static_cast<size_t>(unit.G) * args.d);
   for (int g = 0; g < unit.G; ++g) {
-    const size_t h = static_cast<size_t>(unit.r) * args.H + unit.h0 + g;
-    heads.q[g] = args.q + h * args.d;
+    const size_t h = h0 + g;
+    float* qf = scratch.qf.data() + static_cast<size_t>(g) * args.d;
+    if (args.q_dtype == FP32) {
+      std::memcpy(qf, static_cast<const float*>(args.q) + h * args.d, args.d * sizeof(float));
+    } else {
+      const uint16_t* q16 = static_cast<const uint16_t*>(args.q) + h * args.d;
+      for (int j = 0; j < args.d; ++j) qf[j] = to_f(q16[j], args.q_dtype);
+    }
+    heads.q[g] = qf;
     double ss = 0;
     for (int j = 0; j < args.d; ++j) ss += static_cast<double>(heads.q[g][j]) * heads.q[g][j];
     heads.qn[g] = static_cast<float>(std::sqrt(ss));
     heads.qdc[g] = args.qdc[h];
   }
-  if (isa == Isa::Avx512Bf16) {  // q is exactly bf16: keep its raw bits for dpbf16
-    scratch.qbf.resize(static_cast<size_t>(unit.G) * args.d);
-    for (int g = 0; g < unit.G; ++g)
-      for (int j = 0; j < args.d; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, &heads.q[g][j], 4);
-        scratch.qbf[static_cast<size_t>(g) * args.d + j] = static_cast<uint16_t>(bits >> 16);
-      }
-    heads.qbf = scratch.qbf.data();
-  }
+  if (isa == Isa::Avx512Bf16)  // q is bf16: its raw bits feed dpbf16
+    heads.qbf = static_cast<const uint16_t*>(args.q) + h0 * args.d;
   return heads;
 }
 
@@ -53,9 +54,21 @@ Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scrat
 void sparse_decode(const AttnArgs& args) {
   Isa isa = resolve_isa(args.force_scalar);
   // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
-  if (isa == Isa::Avx512Bf16 && !(args.q_is_bf16 && args.dtype == BF16)) isa = Isa::Avx512;
+  if (isa == Isa::Avx512Bf16 && !(args.q_dtype == BF16 && args.dtype == BF16)) isa = Isa::Avx512;
   const float* neg_log_u_table = corr_table(args.K, args.L);
-  const HeadGroups groups(args.H, args.hkv);
+  const int nt = team_size(args.num_threads);
+  // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
+  // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic
+  // schedule to balance (3 KV heads of one 32K segment on 2 threads: 2 units on one, 1 on the
+  // other); then smaller chunks.  One thread keeps whole groups.  A head's result does not depend
+  // on its chunk (attend.h).
+  constexpr int kUnitsPerThread = 4;
+  int seg_units = 0;
+  for (int r = 0; r < args.R; ++r) seg_units += static_cast<int>((*args.segs)[r].size()) * args.hkv;
+  const int gsz = args.hkv > 0 ? args.H / args.hkv : 0;
+  int chunk = std::max(1, std::min(gsz, MAXG));
+  while (nt > 1 && chunk > 1 && seg_units * ((gsz + chunk - 1) / chunk) < kUnitsPerThread * nt) --chunk;
+  const HeadGroups groups(args.H, args.hkv, chunk);
 
   // Units in group order, so each group's partials are contiguous:
   // group_begin[g] .. group_begin[g + 1] for g = groups.index(r, kvh, chunk).
@@ -78,16 +91,27 @@ void sparse_decode(const AttnArgs& args) {
   // Largest units first so the dynamic schedule balances well.
   std::vector<int> order(nu);
   std::iota(order.begin(), order.end(), 0);
-  auto cost = [&](int i) { return units[i].seg ? units[i].seg->n / 8 : units[i].end - units[i].begin; };
+  auto cost = [&](int i) { return (units[i].seg ? units[i].seg->n / 8 : units[i].end - units[i].begin) * units[i].G; };
   std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return cost(x) > cost(y); });
 
-  std::vector<float> part_max(static_cast<size_t>(nu) * MAXG), part_sum(part_max.size());
-  std::vector<float> part_acc(part_max.size() * args.d);
-  std::vector<int64_t> part_count(part_max.size(), 0);
+  // Partials: MAXG slots per unit, of which a unit writes its first G (all the merge reads).  Kept
+  // per calling thread across calls: at 128K tokens they are ~1 MB, which a fresh vector would
+  // zero (and fault in) on every step.  The team reads them through these pointers (a
+  // thread_local named inside the parallel regions would be each worker's own).
+  static thread_local std::vector<float> tls_max, tls_sum, tls_acc;
+  static thread_local std::vector<int64_t> tls_count;
+  const size_t nslot = static_cast<size_t>(nu) * MAXG;
+  tls_max.resize(nslot);
+  tls_sum.resize(nslot);
+  tls_count.resize(nslot);
+  tls_acc.resize(nslot * args.d);
+  float* const part_max = tls_max.data();
+  float* const part_sum = tls_sum.data();
+  float* const part_acc = tls_acc.data();
+  int64_t* const part_count = tls_count.data();
 
   // Every unit writes only its own partial slots and the merge below reads them in unit order, so
   // the result does not depend on the team size or on which thread ran which unit.
-  const int nt = team_size(args.num_threads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
   for (int oi = 0; oi < nu; ++oi) {
     if (oi == 0) g_last_team_size.store(omp_get_num_threads(), std::memory_order_relaxed);
@@ -99,7 +123,13 @@ void sparse_decode(const AttnArgs& args) {
     Rows rows{};
     PhaseTimer pt;
     if (unit.seg) {
-      retrieve(args, unit, scratch, part_count.data() + slot);
+      int counts[MAXG];
+      retrieve(args, unit, scratch, counts);
+      rows.off[0] = 0;
+      for (int g = 0; g < unit.G; ++g) {
+        part_count[slot + g] = counts[g];
+        rows.off[g + 1] = rows.off[g] + counts[g];
+      }
       const Segment& seg = *unit.seg;
       const size_t base = static_cast<size_t>(unit.kvh) * seg.n;
       rows.kb = seg.kmir.data() + base * args.d;
@@ -117,9 +147,11 @@ void sparse_decode(const AttnArgs& args) {
       rows.kb = scratch.ktile.data();
       rows.vb = scratch.vtile.data();
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
+      std::fill_n(part_count + slot, unit.G, int64_t{0});
+      for (int g = 0; g <= unit.G; ++g) rows.off[g] = g * rows.n;
       pt.tick(kPhaseGatherLogits);
     }
-    const Partial part{part_max.data() + slot, part_sum.data() + slot, part_acc.data() + slot * args.d};
+    const Partial part{part_max + slot, part_sum + slot, part_acc + slot * args.d};
 #if defined(__x86_64__)
     if (isa != Isa::Scalar) {
       attend_avx512(args, rows, heads, scratch, part, neg_log_u_table, isa);
@@ -141,8 +173,9 @@ void sparse_decode(const AttnArgs& args) {
       if (part_sum[k] > 0.f) M = std::max(M, part_max[k]);
       count += part_count[k];
     }
-    float* out = args.out + static_cast<size_t>(rh) * args.d;
-    std::fill(out, out + args.d, 0.f);
+    static thread_local std::vector<float> outf;
+    outf.assign(args.d, 0.f);
+    float* out = outf.data();
     double sum = 0;
     if (M != NEG_INF) {
       for (int ui = group_begin[hs.group]; ui < group_begin[hs.group + 1]; ++ui) {
@@ -150,11 +183,17 @@ void sparse_decode(const AttnArgs& args) {
         if (!(part_sum[k] > 0.f)) continue;
         const float w = std::exp(part_max[k] - M);
         sum += static_cast<double>(w) * part_sum[k];
-        const float* acc = part_acc.data() + k * args.d;
+        const float* acc = part_acc + k * args.d;
         for (int j = 0; j < args.d; ++j) out[j] += w * acc[j];
       }
       const float inv = static_cast<float>(1.0 / sum);
       for (int j = 0; j < args.d; ++j) out[j] *= inv;
+    }
+    if (args.out_dtype == FP32) {
+      std::memcpy(static_cast<float*>(args.out) + static_cast<size_t>(rh) * args.d, out, args.d * sizeof(float));
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(args.out) + static_cast<size_t>(rh) * args.d;
+      for (int j = 0; j < args.d; ++j) o[j] = f_to_bf16(out[j]);
     }
     if (args.lse) args.lse[rh] = M == NEG_INF ? NEG_INF : M + static_cast<float>(std::log(sum));
     if (args.counts) args.counts[rh] = count;

@@ -223,6 +223,58 @@ def test_estimator_matches_reference(name, force_scalar):
     check_case(case, seed, force_scalar, name)
 
 
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_retrieval_bitset_word_boundaries(force_scalar):
+    """Retrieval counts collisions in 64-token bitset words: segments of 1, 63, 64, 65, 127 and 130
+    tokens (a partial word, exact words, one past) in one request, with K small enough that most
+    keys are sampled (so every word edge is hit) and with K = 6, against the reference."""
+    seed, gen = new_seed()
+    for K, L in ((2, 16), (6, 30)):
+        c = Case(gen, [470], 2, 3, 64, K, L, seg_sizes=[[1, 63, 64, 65, 127, 130]], window=16)
+        check_case(c, seed, force_scalar, f"K={K} L={L}")
+
+
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_long_segment_and_late_maximum(force_scalar):
+    """A 5000-token segment with dense sampling (K=3) and sparse sampling (K=9), and a key planted
+    near its end far above the rest (the softmax maximum comes from the segment's last rows)."""
+    seed, gen = new_seed()
+    for K, L in ((3, 20), (9, 40)):
+        c = Case(gen, [5100], 2, 3, 64, K, L, seg_sizes=[[5000]], window=16)
+        check_case(c, seed, force_scalar, f"K={K} L={L}")
+    c = Case(gen, [5100], 1, 2, 64, 3, 20, seg_sizes=[[5000]], window=16)
+    keys, vals = c.ctx[0]
+    # Token 4990 (id 4986 of the segment): centred, it points along head 0's query.
+    keys[4990, 0] = (c.centres[0][0] + 3 * c.query[0, 0].float()).to(keys.dtype)
+    c.segs = [[kx.build_segment(keys[4:5004], vals[4:5004], c.centres[0], c.W, c.K, c.L)]]
+    out, _, _ = check_case(c, seed, force_scalar, "late max")
+    assert (out[0, 0].double() - vals[4990, 0].double()).abs().max() < 0.05, f"planted key must dominate (seed={seed})"
+
+
+def test_head_chunking_never_changes_results():
+    """The driver splits a KV head's query heads into smaller units when segment units are too few
+    for the team (6 heads over 4 segments: chunks of 6, 5, 2 and 1 heads on 1, 2, 3 and 8 threads);
+    each head's retrieval, logits and accumulation are its own, so the bits must not move."""
+    seed, gen = new_seed()
+    c = Case(gen, [2300], 1, 6, 64, 6, 30, seg_sizes=[[600, 500, 700, 400]])
+    for fs in PATHS:
+        want = None
+        for nt in (1, 2, 3, 8):
+            out = torch.empty(1, c.H, c.D, dtype=c.query.dtype)
+            lse = torch.empty(1, c.H)
+            cnt = torch.empty(1, c.H, dtype=torch.int64)
+            kx.sparse_decode_attention(c.query, c.qcodes, c.qdc, c.segs, c.kview, c.vview, block_table=c.bt,
+                                       dense_ranges=c.dense_ranges, scale=c.scale, K=c.K, L=c.L, out=out, lse=lse,
+                                       sampled_counts=cnt, force_scalar=fs, num_threads=nt)
+            got = (out, lse, cnt)
+            if want is None:
+                want = got
+                check_case(c, seed, fs, "chunking")
+                continue
+            for name, a, b in zip(("out", "lse", "sampled_counts"), want, got):
+                assert torch.equal(a, b), f"{name} differs on {nt} threads (seed={seed} force_scalar={fs})"
+
+
 def test_edge_expectations():
     seed, gen = new_seed()
     # K = 16, L = 10 at ~1K tokens: essentially nothing is sampled.
@@ -458,16 +510,17 @@ def test_c_entry_points_reject_bad_sizes():
 
     R, H = c.query.shape[:2]
     q, out = c.query.float().contiguous(), torch.empty(R, H, D)
-    decode = dict(R=R, H=H, hkv=hkv, d=D, K=6, L=20, dtype=0, scale=c.scale, q=q.data_ptr(), q_is_bf16=True,
+    decode = dict(R=R, H=H, hkv=hkv, d=D, K=6, L=20, dtype=0, scale=c.scale, q=q.data_ptr(), q_dtype=2,
                   qcodes=c.qcodes.data_ptr(), qdc=c.qdc.data_ptr(), segs=[[seg]], kc=c.kview.data_ptr(),
                   ks=list(c.kview.stride()), vc=c.vview.data_ptr(), vs=list(c.vview.stride()), bt=c.bt.data_ptr(),
                   max_blocks=c.bt.shape[1], block_size=c.kview.shape[1], ranges=c.dense_ranges.data_ptr(),
-                  out=out.data_ptr(), lse=0, counts=0, force_scalar=False)
+                  out=out.data_ptr(), out_dtype=2, lse=0, counts=0, force_scalar=False)
     kx._C.sparse_decode(**decode)
     for bad in (dict(R=-1), dict(R=2), dict(H=-6), dict(H=5), dict(hkv=0), dict(hkv=4), dict(d=0), dict(d=72),
                 dict(K=0), dict(K=17), dict(L=1), dict(dtype=-1), dict(ks=[1, 1, 1]), dict(vs=[1] * 5),
                 dict(max_blocks=-1), dict(block_size=0), dict(segs=[[other_k]]), dict(segs=[[None]]),
-                dict(q=0), dict(qcodes=0), dict(out=0)):
+                dict(q=0), dict(qcodes=0), dict(out=0), dict(q_dtype=3), dict(q_dtype=-1), dict(out_dtype=1),
+                dict(out_dtype=3)):
         rejects(kx._C.sparse_decode, decode, **bad)
 
 

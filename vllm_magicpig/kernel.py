@@ -30,6 +30,10 @@ if _C.MAX_SEGMENT_TOKENS != MAX_SEGMENT_TOKENS:
                       "(python setup.py build_ext --inplace)")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
+# The dtypes sparse_decode reads queries in and writes outputs in directly (an fp16 output goes
+# through an fp32 temporary).
+_Q_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_OUT_CODE = {torch.bfloat16: 0, torch.float32: 2}
 
 
 def active_isa() -> str:
@@ -343,18 +347,19 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
         # Dense ranges must be ordered, inside the block table, and map to existing blocks.
         _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks)
 
-    q = query.to(torch.float32).contiguous()
+    # The query goes in, and a bf16 / fp32 output comes out, in its own dtype: no conversion pass.
+    q = query.contiguous()
     qc = query_codes.contiguous()
     qdc = query_dot_centre.contiguous()
     bt = block_table.contiguous()
     dr = dense_ranges.contiguous()
-    direct = out.dtype == torch.float32 and out.is_contiguous()
+    direct = out.dtype in _OUT_CODE and out.is_contiguous()
     o = out if direct else torch.empty(R, H, D, dtype=torch.float32)
     _C.sparse_decode(R, H, hkv, D, K, L, _DTYPE_CODE[key_cache.dtype], float(scale), q.data_ptr(),
-                     query.dtype == torch.bfloat16, qc.data_ptr(), qdc.data_ptr(), seg_c,
+                     _Q_CODE[query.dtype], qc.data_ptr(), qdc.data_ptr(), seg_c,
                      key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
                      list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
-                     o.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                     o.data_ptr(), _OUT_CODE[o.dtype], 0 if lse is None else lse.data_ptr(),
                      0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt)
     if not direct:
         out.copy_(o)
