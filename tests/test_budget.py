@@ -97,6 +97,38 @@ def test_angle_histogram_counts_every_pair_and_centres_nothing_itself():
     assert float(h[0]) == 1 and float(h[-1]) == 1 and float(h.sum()) == 2
 
 
+def _calibrated(target=0.02, **kw):
+    torch.manual_seed(8)
+    b = bm.Budget(calibration_decodes=1, **kw)
+    b.observe("l", _hist((math.pi / 2 - torch.distributions.Gamma(2.0, 6.0).sample((20000,))).clamp(0.05, 3)), 1)
+    return b, b.choice("l", target)
+
+
+def test_feedback_learns_the_model_bias_once_and_then_holds():
+    target = 0.02
+    b, c0 = _calibrated(target)
+    # the kernel samples 30% less than the model expects (e.g. the workload's text differs)
+    for _ in range(bm.FEEDBACK_WINDOW - 1):
+        b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000)
+    assert b.choice("l", target) == c0  # a window is not complete yet
+    b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000)
+    c1 = b.choice("l", target)
+    assert c1 != c0 and c1.model_fraction == pytest.approx(target / 0.7, rel=0.05)
+    entry = b.snapshot()["budget"]["layers"]["l"]["0.02"]
+    assert entry["adjustments"] == 1 and entry["model_bias"] == pytest.approx(0.7, rel=0.01)
+    # on target now (within the band): nothing changes, however long it runs
+    for _ in range(20 * bm.FEEDBACK_WINDOW):
+        b.add_sampled(target, "l", int(0.7 * c1.model_fraction * 10000), 10000)
+    assert b.choice("l", target) == c1
+
+
+def test_feedback_can_be_switched_off():
+    b, c0 = _calibrated(feedback=False)
+    for _ in range(4 * bm.FEEDBACK_WINDOW):
+        b.add_sampled(0.02, "l", 1, 10000)
+    assert b.choice("l", 0.02) == c0
+
+
 # --------------------------------------------------------------------------- synthetic keys, real kernel
 
 

@@ -41,6 +41,10 @@ _CENTRES = (torch.arange(THETA_BINS, dtype=torch.float64) + 0.5) * (math.pi / TH
 
 DEFAULT_MAX_L = 150  # the default config's L: budget mode uses at most the default index memory
 DEFAULT_CALIBRATION_DECODES = 8
+# Feedback on the measured fraction (``Budget._feedback``)
+FEEDBACK_WINDOW = 16  # served (request, layer) decodes per window, doubled after each correction
+FEEDBACK_BAND = 0.1  # a window within +-10% of the target changes nothing
+FEEDBACK_MAX_ADJUSTMENTS = 8
 
 
 # ----------------------------------------------------------------------------- the collision model
@@ -65,7 +69,7 @@ def expected_fraction(hist: torch.Tensor, K: int, L: int) -> float:
 class Choice:
     K: int
     L: int
-    model_fraction: float  # the expected sampled fraction at (K, L) over the calibration angles
+    model_fraction: float  # the expected sampled fraction at (K, L) over the calibration angles (no feedback)
 
 
 def choose_kl(hist: torch.Tensor, target: float, max_L: int = DEFAULT_MAX_L) -> Choice:
@@ -111,13 +115,19 @@ class _Layer:
     decodes: int = 0  # (request, layer) decodes observed
     calibrated: bool = False
     choices: dict[float, Choice] = field(default_factory=dict)  # target -> choice
+    # feedback (per target): the model's bias seen so far, and the current window's [sampled, candidates, decodes]
+    correction: dict[float, float] = field(default_factory=dict)
+    window: dict[float, list[int]] = field(default_factory=dict)
+    adjustments: dict[float, int] = field(default_factory=dict)
 
 
 class Budget:
     """One worker's budget-mode state: per-layer calibration histograms and (K, L) per target."""
 
-    def __init__(self, max_L: int = DEFAULT_MAX_L, calibration_decodes: int = DEFAULT_CALIBRATION_DECODES) -> None:
+    def __init__(self, max_L: int = DEFAULT_MAX_L, calibration_decodes: int = DEFAULT_CALIBRATION_DECODES,
+                 feedback: bool = True) -> None:
         self.max_L = max_L
+        self.feedback = feedback
         self.calibration_decodes = calibration_decodes
         self._lock = threading.Lock()
         self.layers: dict[str, _Layer] = {}
@@ -153,10 +163,44 @@ class Budget:
                         100 * c.model_fraction)
         return c
 
-    def add_sampled(self, target: float, layer: str, sampled: int, candidates: int) -> None:
+    def add_sampled(self, target: float, layer: str, sampled: int, candidates: int, decodes: int = 1) -> None:
+        """Count what the kernel sampled at the layer's choice for ``target``; feed it back (below)."""
         s = self.sampled.setdefault((target, layer), [0, 0])
         s[0] += sampled
         s[1] += candidates
+        if self.feedback:
+            self._feedback(layer, target, sampled, candidates, decodes)
+
+    def _feedback(self, layer: str, target: float, sampled: int, candidates: int, decodes: int) -> None:
+        """Close the loop on the measured fraction. Over windows of served decodes (``FEEDBACK_WINDOW``,
+        doubling after each correction, so a correction is rare and cannot oscillate fast), a layer whose
+        achieved fraction is off the target by more than ``FEEDBACK_BAND`` learns the model's bias
+        (achieved / expected at its choice) and chooses again for the target divided by that bias.
+        Its old segments are not reused: the index stores segments under their (K, L)."""
+        st = self.layers.get(layer)
+        if st is None or target not in st.choices:
+            return
+        w = st.window.setdefault(target, [0, 0, 0])
+        w[0] += sampled
+        w[1] += candidates
+        w[2] += decodes
+        n = st.adjustments.get(target, 0)
+        if w[2] < FEEDBACK_WINDOW << min(n, 6) or w[1] == 0:
+            return
+        achieved = w[0] / w[1]
+        st.window[target] = [0, 0, 0]
+        if abs(achieved / target - 1) <= FEEDBACK_BAND or n >= FEEDBACK_MAX_ADJUSTMENTS:
+            return
+        old = st.choices[target]
+        if achieved <= 0 or old.model_fraction <= 0:
+            return
+        with self._lock:
+            corr = min(max(achieved / old.model_fraction, 0.1), 10.0)  # the bias at the current choice
+            st.correction[target] = corr
+            st.adjustments[target] = n + 1
+            new = st.choices[target] = choose_kl(st.hist, min(target / corr, 1.0), self.max_L)
+        logger.info("MAGICPIG budget: %s achieved %.2f%% for target %.2f%% at K=%d L=%d; model bias %.2f: "
+                    "now K=%d L=%d", layer, 100 * achieved, 100 * target, old.K, old.L, corr, new.K, new.L)
 
     def reset_counters(self) -> None:
         self.sampled.clear()
@@ -176,7 +220,9 @@ class Budget:
             for target, c in sorted(st.choices.items()):
                 s = self.sampled.get((target, name), [0, 0])
                 entry[f"{target:g}"] = {"K": c.K, "L": c.L, "model_fraction": round(c.model_fraction, 6),
-                                        "sampled_fraction": s[0] / s[1] if s[1] else None}
+                                        "sampled_fraction": s[0] / s[1] if s[1] else None,
+                                        "model_bias": round(st.correction.get(target, 1.0), 4),
+                                        "adjustments": st.adjustments.get(target, 0)}
             layers[name] = entry
         targets: dict[str, Any] = {}
         for (target, _), (s, n) in sorted(self.sampled.items()):

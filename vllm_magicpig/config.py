@@ -41,6 +41,9 @@ class MagicPigConfig:
     calibration_decodes: int = DEFAULT_CALIBRATION_DECODES
     """Budget mode: (request, layer) decodes each sparse layer observes (served exactly) before
     choosing its (K, L)."""
+    budget_feedback: bool = True
+    """Budget mode: a layer whose measured fraction stays off the target by more than 10% learns the
+    model's bias and chooses again (its segments are then rebuilt once)."""
     # --- tokens always attended exactly ---
     sink_tokens: int = 4
     """Initial tokens attended exactly (attention sinks)."""
@@ -125,7 +128,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
 # target_cost: below 0.1% a 16K context keeps ~16 keys per head; above 50% sampling is no cheaper
 # than attending every key exactly.
 TARGET_COST_RANGE = (0.001, 0.5)
-BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes")
+BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes", "budget_feedback")
 
 
 def _range_text(lo: int | None, hi: int | None) -> str:
@@ -235,9 +238,9 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
         elif key == "target_cost":
             values[key] = None if value is None else check_target_cost(value)
-        elif key == "inherit_centre":
+        elif key in ("inherit_centre", "budget_feedback"):
             if not isinstance(value, bool):
-                raise MagicPigConfigError(f"magicpig config: 'inherit_centre' must be true or false, got {value!r}")
+                raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value
         else:  # pragma: no cover - every field is handled above
             raise AssertionError(key)

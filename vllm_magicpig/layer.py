@@ -94,7 +94,7 @@ class SparseLayer:
             stats.add_sampled(self.ctx.name, result.sampled, candidates)
             if budget_applies(plan.settings):
                 self.ctx.runtime.budget.add_sampled(plan.settings.target_cost, self.ctx.name, result.sampled,
-                                                    candidates)
+                                                    candidates, len(result.served))
 
 
 def calibration_plan(plan: DecodePlan) -> DecodePlan:
