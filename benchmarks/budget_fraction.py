@@ -58,7 +58,7 @@ def run_engine(model, max_len, contexts, targets, args, log):
     from vllm_magicpig.eval.tasks import long_text
 
     magicpig = {"target_cost": targets[0], "log_stats_interval": 0, "calibration_decodes": args.calibration_decodes,
-                "index_memory_mb": args.index_mb}
+                "index_memory_mb": args.index_mb, "budget_feedback": not args.no_feedback}
     t0 = time.perf_counter()
     llm = _engine(model, max_len, magicpig, args.kv_space)
     tok = llm.get_tokenizer()
@@ -101,7 +101,7 @@ def run_engine(model, max_len, contexts, targets, args, log):
                 for name, entry in snap["budget"]["layers"].items():
                     c = entry.get(f"{target:g}")
                     if c:
-                        kl[name] = (c["K"], c["L"], c["model_fraction"])
+                        kl[name] = (c["K"], c["L"], c["model_fraction"], c.get("adjustments", 0), c.get("model_bias"))
             row = dict(context=ctx, prompt_tokens=n, target=target, decode_s=round(secs, 1),
                        decode_sparse=snap["decode_sparse"], overall=snap["sampled_fraction"],
                        per_layer=per_layer, kl=kl)
@@ -131,21 +131,22 @@ def write_report(rows, engines, args, out: Path, total_s: float, command: str) -
              "takes several minutes). Calibration: the first request of each engine, "
              f"{args.calibration_tokens} tokens of generated prose, {args.calibration_decodes} decodes per "
              "layer; measured prompts are Britannica prose, a different text, never calibrated on. "
-             f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2.", "",
+             f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2. Feedback on the "
+             f"measured fraction: {'off' if args.no_feedback else 'on (the default)'}.", "",
              "| context | target | overall | min layer | max layer | layers within +-25% | worst rel. error "
-             "| K range | L range |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| K range | L range | feedback corrections so far |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fr = [v for v in r["per_layer"].values() if v is not None]
         if r["target"] == "default":
             lines.append(f"| {r['context']} | (10,150) | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | - | - "
-                         "| 10 | 150 |")
+                         "| 10 | 150 | - |")
             continue
         ks = [v[0] for v in r["kl"].values()]
         ls = [v[1] for v in r["kl"].values()]
         lines.append(f"| {r['context']} | {r['target']:.0%} | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | "
                      f"{r['within']}/{len(fr)} | {r['worst_rel']:+.0%} | {min(ks)}..{max(ks)} | "
-                     f"{min(ls)}..{max(ls)} |")
+                     f"{min(ls)}..{max(ls)} | {sum(v[3] for v in r['kl'].values())} |")
     lines += ["", "Per layer at each target (fraction achieved, in %; the layer's chosen K/L from the 8K engine's "
               "calibration):", ""]
     targets = [t for t in args.targets]
@@ -181,6 +182,7 @@ def main() -> None:
     ap.add_argument("--calibration-decodes", type=int, default=8)
     ap.add_argument("--calibration-source", default="prose", help="text of the calibration request (prose|britannica)")
     ap.add_argument("--calibration-seed", type=int, default=900)
+    ap.add_argument("--no-feedback", action="store_true", help="budget_feedback=false: the calibrated model only")
     ap.add_argument("--kv-space", type=int, default=3)
     ap.add_argument("--index-mb", type=int, default=4096)
     ap.add_argument("--out", default=str(RESULTS / "budget_fraction"))
