@@ -18,8 +18,7 @@ EXACT_SHORT_CONTEXT = "short_context"
 EXACT_DENSE_LAYER = "dense_layer"
 EXACT_EVICTED = "evicted"  # index over its memory cap: the uncovered tokens ran exactly
 EXACT_METHOD = "decode_method_exact"
-EXACT_CALIBRATING = "calibrating"  # budget mode: the layer is still learning its (K, L)
-EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_CALIBRATING)
+EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD)
 
 
 class Stats:
