@@ -95,7 +95,7 @@ def run_engine(model, max_len, contexts, targets, args, log):
             fr = [v for v in per_layer.values() if v is not None]
             if target != "default":
                 row["within"] = sum(abs(v / target - 1) <= TOLERANCE for v in fr)
-                row["worst_rel"] = max(abs(v / target - 1) for v in fr)
+                row["worst_rel"] = max((v / target - 1 for v in fr), key=abs)  # signed
             rows.append(row)
             log(f"[{ctx}] target {target}: overall {snap['sampled_fraction']:.4f}, layers {min(fr):.4f}.."
                 f"{max(fr):.4f}" + (f", within +-25%: {row['within']}/{len(fr)}" if "within" in row else "")
