@@ -305,3 +305,42 @@ def test_without_a_target_nothing_changes():
     assert StepSettings.from_config(rt.cfg).target_cost is None
     assert "budget" not in rt.stats.summary_line()
     assert rt.stats.snapshot()["budget"]["layers"] == {}
+
+
+def test_split_decode_in_budget_mode_groups_requests_too():
+    """The CUDA path's split decode (exact part next to the cache, samples on the host), run on the
+    CPU: each request's segments carry its own (K, L), and the batch equals the CPU path's."""
+    pytest.importorskip("vllm")
+    from vllm_magicpig.backend_cuda import make_cuda_runtime
+    from vllm_magicpig.kv_layout import FlashLayout
+
+    from helpers import paged_attention_with_lse
+
+    g = torch.Generator().manual_seed(33)
+    # sinks in whole blocks, as the split decode needs them: both paths then sample the same ranges
+    cfg = MagicPigConfig(target_cost=0.02, min_sparse_context=64, segment_tokens=256, local_window=32,
+                         sink_tokens=16, log_stats_interval=0, given=frozenset({"target_cost"}))
+    contexts, topics = [], []
+    for spread, n in ((0.0, 3000), (0.8, 2000)):
+        keys, vals, _, U = synthetic_context(g, n, 1, 64, topics=4, spread=spread)
+        contexts.append((keys, vals))
+        topics.append(U)
+    _, _, bt, flash_cache = to_paged(contexts, 16, generator=g, layout=FlashLayout())
+    q = _queries(g, topics)
+    outs = {}
+    for name in ("split", "cpu"):
+        if name == "split":
+            rt = make_cuda_runtime(cfg, num_layers=4, block_size=16, dense_attention=paged_attention_with_lse)
+        else:
+            rt = make_runtime(cfg)
+            rt.layout = FlashLayout()  # same cache, read through the same views
+        layer = SparseLayer(LayerContext("model.layers.1.self_attn.attn", 1, 3, 1, 64, 64 ** -0.5, rt))
+        planner = StepPlanner(rt.cfg, 16, rt.index)
+        plan, outs[name] = _step(layer, planner, flash_cache, bt, [3000, 2000], rt.step_settings(), q)
+        c = [rt.budget.request_choice(layer.ctx.name, plan.centres[r].cid, 0.02) for r in range(2)]
+        assert (c[0].K, c[0].L) != (c[1].K, c[1].L)
+        for (owner, key), seg in rt.index._segments.items():
+            r = next(i for i in range(2) if plan.centres[i].cid == key[0])
+            assert owner[1:] == (c[r].K, c[r].L) == (seg.K, seg.L)
+        assert rt.stats.decode_sparse == 2
+    torch.testing.assert_close(outs["split"].float(), outs["cpu"].float(), rtol=2e-2, atol=2e-2)
