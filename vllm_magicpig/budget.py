@@ -199,13 +199,6 @@ class Budget:
     def reset_counters(self) -> None:
         self.sampled.clear()
 
-    def forget(self) -> None:
-        """Forget every choice and learned bias (requests choose again at their next decode)."""
-        with self._lock:
-            self.layers.clear()
-            self._choices.clear()
-            self.sampled.clear()
-
     def snapshot(self) -> dict[str, Any]:
         """``budget``: per layer and target used: the latest request's (K, L) and the range over
         requests, its model fraction, the learned bias, and the fraction the kernel achieved since the
