@@ -57,8 +57,9 @@ def run_engine(model, max_len, contexts, targets, args, log):
 
     from vllm_magicpig.eval.tasks import long_text
 
+    # cost_model off: every decode is sampled (this measures the fraction, not speed)
     magicpig = {"target_cost": targets[0], "log_stats_interval": 0, "index_memory_mb": args.index_mb,
-                "budget_feedback": not args.no_feedback}
+                "budget_feedback": not args.no_feedback, "cost_model": False}
     t0 = time.perf_counter()
     llm = _engine(model, max_len, magicpig, args.kv_space)
     tok = llm.get_tokenizer()

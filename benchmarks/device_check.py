@@ -14,10 +14,11 @@ such wherever they are used:
 * ``merge_attn_states_standin``: vLLM's ``merge_attn_states`` (the same math as its torch fallback).
 
 Sections: env (versions, the OpenMP runtime, threads), mirror (cache blocks -> pinned host memory on a side
-stream), hash (device codes vs the C++ kernel's), merge (LSE merge == exact), decode (one layer of the split
-decode vs the single-call CPU kernel). Every gate prints PASS/FAIL; the exit status is 1 if any gate failed. It
-writes ``device_check_<device>.md`` and ``.json`` to ``--out``. Every figure in them was measured in this run on
-the device named in their header; on ``--device cpu`` the "device" is the CPU and no GPU figure exists.
+stream), host_mirror (the plugin's own HostMirror and copy engine), hash (device codes vs the C++ kernel's),
+merge (LSE merge == exact), decode (one layer of the split decode vs the single-call CPU kernel). Every gate
+prints PASS/FAIL; the exit status is 1 if any gate failed. It writes ``device_check_<device>.md`` and ``.json``
+to ``--out``. Every figure in them was measured in this run on the device named in their header; on
+``--device cpu`` the "device" is the CPU and no GPU figure exists.
 """
 from __future__ import annotations
 
@@ -369,6 +370,49 @@ def section_mirror(run: Run, cfg: dict) -> None:
         run.line("|---|---|---|---|")
         for r in rows:
             run.line(f"| {r['tokens']} | {r['bytes'] / 2**20:.1f} | {ms(r['gather_s'])} | {r['pageable_GBps']:.2f} |")
+
+
+def section_host_mirror(run: Run, cfg: dict) -> None:
+    """The production host mirror (``vllm_magicpig/host_mirror.py``) with this device's copy engine: a prompt's
+    completed blocks are enqueued for copy in one layer's forward, the call returns before the copy ends (CUDA),
+    and the staged rows equal the cache's."""
+    from vllm_magicpig.host_mirror import CudaCopyEngine, HostMirror, SyncCopyEngine
+    from vllm_magicpig.stats import Stats
+
+    dev, cuda = run.device, run.device.type == "cuda"
+    run.line("\n## host_mirror\n")
+    hkv, D = cfg["mirror_hkv"], 128
+    n = max(cfg["mirror_tokens"])
+    num_blocks = 2 * n // BLOCK
+    gen = torch.Generator(device=dev).manual_seed(SEED + 1)
+    cache = torch.randn(num_blocks, BLOCK, hkv, 2 * D, generator=gen, device=dev).to(torch.bfloat16).permute(0, 2, 1, 3)
+    kv = FlashLayout().views(cache)
+    blocks = torch.randperm(num_blocks, generator=gen, device=dev)[: n // BLOCK].tolist()
+    engine = CudaCopyEngine(dev) if cuda else SyncCopyEngine()
+    mirror = HostMirror(engine, Stats(), max_bytes=4 * n * hkv * D * 2 * 2)
+    layer = "model.layers.1.self_attn.attn"
+    sync(dev)
+    mirror.begin_step(blocks, blocks)  # a prefill step that completes every block
+    t0 = time.perf_counter()
+    mirror.copy_layer(layer, kv)
+    t_enqueue = time.perf_counter() - t0
+    event = mirror._pending[blocks[-1]]
+    while not event.query():
+        pass
+    t_done = time.perf_counter() - t0
+    mirror.begin_step([], [])
+    got = mirror.rows(layer, tuple(blocks), 0, n)
+    ok = got is not None and torch.equal(got[0], gather(kv.key, tuple(blocks), 0, n).cpu()) and torch.equal(
+        got[1], gather(kv.value, tuple(blocks), 0, n).cpu())
+    run.gate("host_mirror.rows_equal", ok, f"{n} tokens x {hkv} KV heads staged by copy_layer equal the cache rows")
+    run.gate("host_mirror.ready", mirror.ready_blocks(blocks) == len(blocks), "every copied block counts as mirrored")
+    nbytes = 2 * n * hkv * D * 2
+    run.results["host_mirror"] = {"tokens": n, "bytes": nbytes, "enqueue_s": t_enqueue, "done_s": t_done}
+    if cuda:
+        run.line(f"copy_layer returned after {ms(t_enqueue)}; the copy completed after {ms(t_done)} "
+                 f"({nbytes / t_done / 1e9:.1f} GB/s including the gather)")
+    else:
+        run.line(f"Device is the CPU: copy_layer copies synchronously ({ms(t_done)} for {nbytes / 2**20:.1f} MiB).")
 
 
 # ============================================================================ hash
@@ -803,7 +847,7 @@ def main(argv=None) -> int:
              "Every figure below was measured in this run on that device"
              + ("; this is the CPU smoke mode, so none of them is a GPU figure." if dev.type == "cpu" else "."))
     t0 = time.perf_counter()
-    for section in (section_env, section_mirror, section_hash, section_merge, section_decode):
+    for section in (section_env, section_mirror, section_host_mirror, section_hash, section_merge, section_decode):
         ts = time.perf_counter()
         try:
             section(run, cfg)

@@ -273,3 +273,47 @@ def test_growth_merges_instead_of_rebuilding(vllm_env):
     st = h.stats()
     assert st["index"]["segments_merged"] >= 1 and st["index"]["segments_built"] == 2, st
     assert rel_err(out[0], ref[0]) < 2e-2
+
+
+def test_a_host_mirror_copies_completed_blocks_in_sparse_layers_and_gates_coverage(vllm_env):
+    """Where the cache lives on a device (CUDA), a host mirror is attached: the impl copies the
+    blocks each step completes, in sparse layers only, and the planner covers mirrored blocks only.
+    Here on the CPU platform, with the synchronous copy engine (a STAND-IN for the side stream)."""
+    from vllm_magicpig.host_mirror import HostMirror, SyncCopyEngine
+
+    h = harness(vllm_env, BatchSpec([3000], [3000]), K=1, L=64)
+    mirror = HostMirror(SyncCopyEngine(), h.runtime.stats, 2**30)
+    h.runtime.mirror = h.mp_builder.planner.mirror = mirror
+    h.step(layer=DENSE_LAYER)  # the prefill step, in a dense layer: nothing to mirror
+    assert h.stats()["index"].get("blocks_mirrored", 0) == 0
+    h.step(layer=SPARSE_LAYER)  # the prefill step again (same writes), in a sparse layer
+    assert h.stats()["index"]["blocks_mirrored"] == 3000 // BS  # the full blocks; the last is partial
+    h.spec = BatchSpec([3001], [1])
+    h.keys[0] = torch.cat([h.keys[0], (torch.randn(1, HKV, D, generator=h.gen) + h.offset).bfloat16()])
+    h.values[0] = torch.cat([h.values[0], torch.randn(1, HKV, D, generator=h.gen).bfloat16()])
+    out, ref, meta = h.step()
+    assert meta.sparse_plan.sparse == [0] and h.stats()["decode_sparse"] == 1
+    assert rel_err(out[0], ref[0]) < 2e-2
+
+
+def test_the_cost_model_is_fed_from_pure_decode_steps(vllm_env):
+    """Dense layers time exact attention, sparse layers time sampling (index builds excluded);
+    steps with prefills are not timed (their cost is not the decodes')."""
+    h = harness(vllm_env, BatchSpec([3000, 2600], [1, 1]), num_blocks=64)
+    cost = h.runtime.cost
+    h.step(layer=DENSE_LAYER)
+    assert cost.exact.steps == 1 and cost.sparse.steps == 0
+    h.step(layer=SPARSE_LAYER)  # the first decode: builds the index, which is not counted as its cost
+    assert cost.sparse.steps == 1 and h.stats()["build_seconds"] > 0
+    t = cost.sparse._t[0]
+    assert 0 < t < h.stats()["sparse_seconds"] + 1.0
+    h.spec = BatchSpec([3000, 2600, 900], [1, 1, 900])  # a mixed step: two decodes, one prefill
+    h.keys.append((torch.randn(900, HKV, D, generator=h.gen) + h.offset).bfloat16())
+    h.values.append(torch.randn(900, HKV, D, generator=h.gen).bfloat16())
+    h.block_table = torch.cat([h.block_table, torch.zeros(1, h.block_table.shape[1], dtype=torch.int32)])
+    free = sorted(set(range(h.cache.shape[0])) - set(h.block_table[:2].flatten().tolist()))
+    h.block_table[2, :8] = torch.tensor(free[:8], dtype=torch.int32)
+    h.step(layer=DENSE_LAYER)
+    assert cost.exact.steps == 1
+    snap = h.stats()["cost_model"]
+    assert snap["exact_steps"] == 1 and snap["sparse_steps"] == 1

@@ -22,7 +22,8 @@ DECODE_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def budget_llm(model_path):
-    llm = make_llm(model_path, magicpig={"target_cost": TARGET, "log_stats_interval": 0})
+    # cost_model off: every decode is sampled, so every layer's fraction is measured on every step
+    llm = make_llm(model_path, magicpig={"target_cost": TARGET, "log_stats_interval": 0, "cost_model": False})
     yield llm
     del llm
 

@@ -22,6 +22,7 @@ def test_device_check_cpu_smoke(tmp_path):
     gates = {g["name"]: g for g in result["gates"]}
     # Each section reports its gates (a section that raises reports a failed "<section>.ran" gate instead).
     for name in ("env.num_threads_team", "env.no_vllm_import", "mirror.bytes_equal[512]", "mirror.bytes_equal[4096]",
+                 "host_mirror.rows_equal", "host_mirror.ready",
                  "hash.mismatch_tf32_off", "merge.disjoint_equals_exact", "merge.empty_side_identity",
                  "merge.both_empty_zero", "decode[n=2048].segment_codes_roundtrip",
                  "decode[n=2048].segment_codes_vs_cpu_hash", "decode[n=2048,R=1].split_vs_single_call",

@@ -126,6 +126,27 @@ def test_cap_evicts_least_recently_used_but_never_what_this_step_uses(store):
     assert store.stats.index["segments_evicted"] == 1
 
 
+def test_with_a_cap_room_is_made_before_a_new_segment_is_stored(store):
+    """The held bytes never pass the cap while older segments can be evicted: eviction comes
+    first, so the peak gauge stays at the cap (4000 bytes per segment here)."""
+    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20, 30, 40)]
+    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20, 30, 40))]
+    for r in refs:
+        store.begin_step()  # each request in its own step: the older ones are evictable
+        store.get_or_build(LAYER, r, build, merge, cap_bytes=8000)
+        assert store.reserve(LAYER, [r], cap_bytes=8000)
+    assert store.stats.held_bytes_peak == 8000
+    assert store.stats.index["segments_evicted"] == 2 and len(store) == 2
+    assert store.peek_segment(LAYER, refs[3].key) is not None and store.peek_segment(LAYER, refs[0].key) is None
+    # Without the cap at build time, the store would hold three segments before reserve evicts one.
+    other = IndexStore(Stats(), grow_step=256)
+    for r in refs[:3]:
+        other.begin_step()
+        other.get_or_build(LAYER, r, build, merge)
+        other.reserve(LAYER, [r], cap_bytes=8000)
+    assert other.stats.held_bytes_peak == 12000
+
+
 def test_clear_keeps_the_counters(store):
     spec = store.new_centre((1, 2), 4, 256)
     store.get_or_build(LAYER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge)

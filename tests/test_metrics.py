@@ -17,11 +17,10 @@ import pytest
 import requests
 from prometheus_client import REGISTRY, generate_latest
 
+from vllm_magicpig.eval.openai_server import launch, stop, wait_healthy
+from vllm_magicpig.eval.openai_server import metric_samples as samples
+from vllm_magicpig.eval.openai_server import metric_value as value
 from vllm_magicpig.metrics import Exporter, MagicPigStatLogger
-
-from openai_server import launch, stop, wait_healthy
-from openai_server import metric_samples as samples
-from openai_server import metric_value as value
 
 # --- helpers ----------------------------------------------------------------------------------
 
@@ -234,7 +233,7 @@ def test_logger_survives_a_failing_rpc():
 # --- the OpenAI server ------------------------------------------------------------------------
 
 PROMPT_TOKENS = 2048
-SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1}
+SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1, "cost_model": False}
 
 
 @pytest.mark.server

@@ -14,11 +14,11 @@ import time
 import pytest
 import requests
 
-from openai_server import Server, launch, stop, wait_healthy
+from vllm_magicpig.eval.openai_server import Server, launch, stop, wait_healthy
 
 pytestmark = pytest.mark.server
 
-MAGICPIG_CFG = {"K": 10, "L": 150, "log_stats_interval": 1}
+MAGICPIG_CFG = {"K": 10, "L": 150, "log_stats_interval": 1, "cost_model": False}
 
 
 @pytest.fixture(scope="module")

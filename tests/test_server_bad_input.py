@@ -21,13 +21,13 @@ import time
 import pytest
 import requests
 
-from openai_server import Server, healthy, launch, metric_value, scrape, stop, wait_healthy
+from vllm_magicpig.eval.openai_server import Server, healthy, launch, metric_value, scrape, stop, wait_healthy
 
 pytestmark = pytest.mark.server
 
 BAD_CONFIG_TIMEOUT_S = 90
 MAX_MODEL_LEN = 4096
-SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1}
+SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1, "cost_model": False}
 # VLLM_LOG_STATS_INTERVAL paces vLLM's stat loggers, and with them MAGICPIG's /metrics fetches.
 STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
 

@@ -52,6 +52,7 @@ MAGICPIG = {
     "segment_tokens": 128,
     "dense_layers": DENSE_LAYERS,
     "log_stats_interval": 0,
+    "cost_model": False,  # both ranks must sample, whatever the timings say
 }
 # Greedy agreement is measured as the common prefix of the generated tokens over MAX_TOKENS,
 # averaged over prompts. A TP split changes only the order of bf16 reductions (o_proj and

@@ -5,6 +5,7 @@ platform's own classes, plus what only that platform knows (its KV layout and ru
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -125,7 +126,8 @@ class MagicPigBuilderMixin:
         if vllm_config.speculative_config is not None:
             raise MagicPigConfigError("MAGICPIG does not support speculative decoding; drop --speculative-config")
         self.runtime = runtimes.attach(vllm_config, make_runtime)
-        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index)
+        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index, self.runtime.mirror,
+                                   self.runtime.cost)
 
     def host_view(self, cam, num_reqs: int):
         """The CPU tensors the planner reads (the platform's metadata may live on a device)."""
@@ -221,11 +223,19 @@ class MagicPigImplMixin:
         if self.layer_index is None:
             self._resolve_layer(layer, meta.runtime)
         meta.runtime.stats.count_layer(layer.layer_name)
+        if self.sparse_layer is not None and meta.runtime.mirror is not None:
+            # The step's KV is written (vLLM's KV update runs before attention): mirror what completed.
+            meta.runtime.mirror.copy_layer(layer.layer_name, meta.runtime.layout.views(kv_cache))
         nd = meta.num_decode_tokens
         if meta.num_decodes == 0 or self.sparse_layer is None:
-            if meta.num_decodes:
-                meta.runtime.stats.decode_exact[EXACT_DENSE_LAYER] += meta.num_decodes
-            return super().forward(layer, query, key, value, kv_cache, meta.full, output)
+            if not meta.num_decodes:
+                return super().forward(layer, query, key, value, kv_cache, meta.full, output)
+            meta.runtime.stats.decode_exact[EXACT_DENSE_LAYER] += meta.num_decodes
+            t0 = time.perf_counter()
+            super().forward(layer, query, key, value, kv_cache, meta.full, output)
+            if not meta.num_prefills:  # a pure decode step: exact attention's cost, for the cost model
+                observe_exact(meta, time.perf_counter() - t0)
+            return output
         if meta.num_prefills:
             t = meta.full.num_actual_tokens
             super().forward(layer, query[nd:t], key[nd:t], value[nd:t], kv_cache, meta.prefill, output[nd:t])
@@ -236,9 +246,23 @@ class MagicPigImplMixin:
         """Decode attention for the batch's decode requests in a sparse layer."""
         plan = meta.sparse_plan
         kv = self.sparse_layer.begin(kv_cache, plan)
+        rt = meta.runtime
         if not plan.sparse:
             # Nothing to sample this step: the platform kernel is the fastest exact path.
             self.sparse_layer.account_exact(plan)
+            t0 = time.perf_counter()
             super().forward(layer, query, key, value, kv_cache, meta.decode, output)
+            observe_exact(meta, time.perf_counter() - t0)
             return
+        t0, built0 = time.perf_counter(), rt.stats.build_seconds
         self.sparse_layer.forward(query, kv, plan, output)
+        if rt.cost is not None and not plan.exact_reason:  # all sampled: sampling's cost, less index builds
+            seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
+            rt.cost.observe_sparse(len(plan.sparse), sum(plan.seq_lens), seconds)
+
+
+def observe_exact(meta: MagicPigMetadata, seconds: float) -> None:
+    """Exact attention over the step's decode requests took ``seconds`` (for the cost model)."""
+    cost, plan = meta.runtime.cost, meta.sparse_plan
+    if cost is not None and plan is not None:
+        cost.observe_exact(plan.num_decodes, sum(plan.seq_lens), seconds)

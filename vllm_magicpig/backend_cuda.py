@@ -32,6 +32,7 @@ from vllm_magicpig.backend_common import (  # noqa: E402
     MagicPigImplMixin,
     MagicPigMetadata,
 )
+from vllm_magicpig.host_mirror import CudaCopyEngine, SyncCopyEngine  # noqa: E402
 from vllm_magicpig.kv_layout import FlashLayout, KVViews  # noqa: E402
 from vllm_magicpig.ops import CpuKernelOps  # noqa: E402
 from vllm_magicpig.planner import StepHostView  # noqa: E402
@@ -98,19 +99,22 @@ def host_index_cap_mb(local_workers: int, meminfo: str = "/proc/meminfo") -> int
 
 
 def make_cuda_runtime(cfg, *, num_layers: int, hf_config=None, block_size: int, local_workers: int = 1,
-                      dense_attention=None) -> MagicPigRuntime:
+                      dense_attention=None, mirror_engine=None) -> MagicPigRuntime:
     """The CUDA platform's runtime: the exact part runs in whole blocks on the GPU, so the sinks
     are rounded up to a block; the host kernel gets explicit threads; the index cap, unless set,
-    is sized from the host's memory."""
+    is sized from the host's memory; completed KV blocks are mirrored to pinned host memory on a
+    side stream (``host_mirror.py``)."""
     sinks = -(-cfg.sink_tokens // block_size) * block_size
     changes = {"sink_tokens": sinks}
     if "index_memory_mb" not in cfg.given:
         changes["index_memory_mb"] = host_index_cap_mb(local_workers)
     cfg = dataclasses.replace(cfg, **changes)
+    if mirror_engine is None:
+        mirror_engine = CudaCopyEngine() if torch.cuda.is_available() else SyncCopyEngine()
     return MagicPigRuntime(cfg, num_layers=num_layers, hf_config=hf_config,
                            ops=CpuKernelOps(num_threads=host_threads(cfg.cpu_threads, local_workers)),
                            layout=FlashLayout(), methods={"magicpig": SplitMagicPigDecode()},
-                           dense_attention=dense_attention or FlashDenseAttention())
+                           dense_attention=dense_attention or FlashDenseAttention(), mirror_engine=mirror_engine)
 
 
 class MagicPigCudaMetadataBuilder(MagicPigBuilderMixin, FlashAttentionMetadataBuilder):

@@ -69,6 +69,10 @@ class MagicPigConfig:
     and its segments (multi-turn chat over a cached document is not re-indexed)."""
     seed: int = 0
     """Seed of the shared Gaussian projection; same seed, same tokens."""
+    cost_model: bool = True
+    """Serve a decode exactly when this worker's own timings predict that sampling its context
+    would be slower than exact attention (stats: ``sampling_slower``; see ``cost_model.py``).
+    false: sample every request past ``min_sparse_context``."""
     cpu_threads: int = 0
     """Threads of the host kernel when the KV cache is on a GPU (vLLM runs CUDA workers' torch on
     one thread); 0 = OMP_NUM_THREADS if set, else the worker's CPU affinity shared among the
@@ -235,7 +239,7 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
         elif key == "target_cost":
             values[key] = None if value is None else check_target_cost(value)
-        elif key in ("inherit_centre", "budget_feedback"):
+        elif key in ("inherit_centre", "budget_feedback", "cost_model"):
             if not isinstance(value, bool):
                 raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value

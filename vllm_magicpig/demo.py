@@ -65,6 +65,10 @@ def main(argv=None) -> int:
     print(f"  sampled fraction of indexed keys: {'n/a' if frac is None else f'{frac:.2%}'} (K={args.K}, L={args.L})")
     print(f"  index: {st['index']}  tables {st['index_bytes'] / 2**20:.1f} MiB, "
           f"K/V mirror {st['mirror_bytes'] / 2**20:.1f} MiB")
+    slower = st["decode_exact"].get("sampling_slower", 0)
+    if slower:
+        print(f"  {slower} decodes were served exactly because this machine's timings say sampling a "
+              f"{prompt.num_tokens}-token context is slower here (the cost model; \"cost_model\": false turns it off)")
     return 0 if ok and st["decode_sparse"] > 0 else 1
 
 

@@ -165,10 +165,13 @@ class IndexStore:
 
     # ------------------------------------------------------------------ segment life cycle
     def get_or_build(self, layer: Hashable, ref: SegmentRef, build: Callable[[SegmentRef], Segment],
-                     merge: Callable[[Sequence[Segment]], Segment]) -> Segment:
+                     merge: Callable[[Sequence[Segment]], Segment], cap_bytes: int | None = None) -> Segment:
         """The layer's segment for ``ref``: found; else the longest held segment with the same
         centre and start, grown by indexing only the new tokens and merging (no re-hashing);
-        else built whole. A grown base is dropped unless another request used it this step."""
+        else built whole. A grown base is dropped unless another request used it this step.
+        With ``cap_bytes``, least recently used segments are evicted to make room for a new one
+        before it is stored, so the store overshoots the cap only while every held segment is in
+        use this step (then :meth:`reserve` drops the request's segments)."""
         seg = self.get_segment(layer, ref.key)
         if seg is not None:
             return seg
@@ -187,11 +190,17 @@ class IndexStore:
             self.stats.index["segments_merged"] += 1
             if not self.used_this_step(layer, base_key):  # nobody else reads it now
                 self.drop_segment(layer, base_key)
+            self._make_room(seg, cap_bytes)
             self.put_segment(layer, ref.key, seg)
             return seg
         seg = self._build(build, ref)
+        self._make_room(seg, cap_bytes)
         self.put_segment(layer, ref.key, seg)
         return seg
+
+    def _make_room(self, seg: Segment, cap_bytes: int | None) -> None:
+        if cap_bytes is not None:
+            self.enforce_cap(cap_bytes - seg.index_bytes - seg.mirror_bytes)
 
     def _build(self, build: Callable[[SegmentRef], Segment], ref: SegmentRef) -> Segment:
         t0 = time.perf_counter()
@@ -291,6 +300,7 @@ class IndexStore:
     def _publish(self) -> None:
         self.stats.index_bytes = self.index_bytes
         self.stats.mirror_bytes = self.mirror_bytes
+        self.stats.held_bytes_peak = max(self.stats.held_bytes_peak, self.index_bytes + self.mirror_bytes)
         self.stats.index["segments_live"] = len(self._segments)
 
     def clear(self) -> None:

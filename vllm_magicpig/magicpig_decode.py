@@ -50,7 +50,7 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
         centre = index.centre(ctx.name, plan.centres[r], compute_centre)
         refs = plan.segments[r]
         build = make_build(centre)
-        segs = [index.get_or_build(owner, ref, build, rt.ops.merge_segments) for ref in refs]
+        segs = [index.get_or_build(owner, ref, build, rt.ops.merge_segments, rt.cap_bytes) for ref in refs]
         if not index.reserve(owner, refs, rt.cap_bytes):
             # Over the memory cap with everything in use: attend the whole context exactly.
             if dense is plan.dense_ranges:

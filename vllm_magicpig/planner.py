@@ -18,7 +18,7 @@ from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import EXACT
 from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
-from vllm_magicpig.stats import EXACT_METHOD, EXACT_SHORT_CONTEXT
+from vllm_magicpig.stats import EXACT_METHOD, EXACT_NOT_MIRRORED, EXACT_SAMPLING_SLOWER, EXACT_SHORT_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,17 @@ class DecodePlan:
 class StepPlanner:
     """Layer-independent decisions, made once per engine step in the metadata builder."""
 
-    def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore) -> None:
+    def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore, mirror: Any = None,
+                 cost: Any = None) -> None:
+        """``mirror``: the host mirror of a device KV cache (``host_mirror.HostMirror``), on platforms
+        whose cache is not in host memory; only mirrored blocks are covered by segments.
+        ``cost``: the worker's ``cost_model.DecodeCostModel``; requests it predicts would sample
+        slower than exact attention are served exactly."""
         self.cfg = cfg
         self.block_size = block_size
         self.index = index
+        self.mirror = mirror
+        self.cost = cost
         self.unit = cfg.segment_tokens
         self.largest = max(self.unit, (min(cfg.max_segment_tokens, MAX_SEGMENT_TOKENS) // self.unit) * self.unit)
         # last block written by a prefill chunk -> sequence length after it; a decode
@@ -129,9 +136,13 @@ class StepPlanner:
         self.index.begin_step()
         slots = cam.slot_mapping[: cam.num_actual_tokens]
         slots = slots[slots >= 0]
+        written: list[int] = []
         if slots.numel():
             written = torch.unique(slots // self.block_size).tolist()
             self.index.on_blocks_written(written)
+        if self.mirror is not None:  # blocks whose last slot is written now are complete
+            last = slots[slots % self.block_size == self.block_size - 1]
+            self.mirror.begin_step(written, torch.unique(last // self.block_size).tolist())
         if cam.num_reqs > num_decodes:
             seq_lens = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens
             bt = cam.block_table_tensor
@@ -157,11 +168,20 @@ class StepPlanner:
             if s < cfg.min_sparse_context or covered_end <= cfg.sink_tokens:
                 plan.exact_reason[r] = EXACT_SHORT_CONTEXT
                 continue
+            if self.cost is not None and not self.cost.sampling_pays(s):
+                plan.exact_reason[r] = EXACT_SAMPLING_SLOWER
+                continue
             row = block_table[r, : (s + bs - 1) // bs].tolist()
             spec = self._centre_for(row, s)
             if spec is None:
                 plan.exact_reason[r] = EXACT_SHORT_CONTEXT
                 continue
+            if self.mirror is not None:  # cover mirrored blocks only: the rest stays in the exact tail
+                ready = self.mirror.ready_blocks(row[: covered_end // bs])
+                covered_end = min(covered_end, (ready * bs // self.unit) * self.unit)
+                if covered_end <= cfg.sink_tokens:
+                    plan.exact_reason[r] = EXACT_NOT_MIRRORED
+                    continue
             refs = []
             for start, size in segment_layout(covered_end, self.unit, self.largest):
                 blocks = tuple(row[start // bs : (start + size) // bs])

@@ -15,6 +15,8 @@ import torch
 from vllm_magicpig import decode_methods, extensions
 from vllm_magicpig.budget import Budget
 from vllm_magicpig.config import MagicPigConfig, parse_config
+from vllm_magicpig.cost_model import DecodeCostModel
+from vllm_magicpig.host_mirror import HostMirror
 from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
 from vllm_magicpig.ops import CpuKernelOps, SparseDecodeOps
@@ -31,10 +33,13 @@ def simhash_projection(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor
 class MagicPigRuntime:
     def __init__(self, cfg: MagicPigConfig, *, num_layers: int, hf_config: Any = None,
                  ops: SparseDecodeOps | None = None, layout: KVLayout | None = None,
-                 methods: dict[str, Any] | None = None, dense_attention: Any = None) -> None:
+                 methods: dict[str, Any] | None = None, dense_attention: Any = None,
+                 mirror_engine: Any = None) -> None:
         """``methods``: this platform's implementation of a decode method where it differs from the
         registered one (the split decode on CUDA); ``dense_attention``: the platform's paged exact
-        attention with LSE, for methods that split a request into an exact and a sampled part."""
+        attention with LSE, for methods that split a request into an exact and a sampled part;
+        ``mirror_engine``: where the KV cache is not in host memory, the copy engine of its host
+        mirror (``host_mirror.py``; staging bounded by half the index cap)."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.dense_layers = cfg.resolved_dense_layers(num_layers)
@@ -44,6 +49,10 @@ class MagicPigRuntime:
         self.ops: SparseDecodeOps = ops if ops is not None else CpuKernelOps()
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.cost = DecodeCostModel() if cfg.cost_model else None
+        if self.cost is not None:
+            self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()})
+        self.mirror = HostMirror(mirror_engine, self.stats, self.cap_bytes // 2) if mirror_engine is not None else None
         self.methods = dict(methods or {})
         self.dense_attention = dense_attention
         self.extension_state: dict[str, Any] = {}

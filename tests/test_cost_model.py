@@ -1,0 +1,97 @@
+"""The cost model that serves a decode exactly where sampling would be slower (cost_model.py):
+its fit, its decision and exploration, the planner's use of it, and the timings the backend feeds
+it at the vLLM seam. Timings here are synthetic (the fit is deterministic), except in the seam
+test, which checks only that real timings arrive."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_magicpig.config import MagicPigConfig, parse_config
+from vllm_magicpig.cost_model import DecodeCostModel, LinearCost
+from vllm_magicpig.index import IndexStore
+from vllm_magicpig.planner import StepPlanner, StepSettings
+from vllm_magicpig.stats import Stats
+
+from helpers import FakeCam
+
+# per (request, layer): exact 1 us + 40 ns per key; sampling 60 us + 2 ns per key -> crossover ~1553 keys
+EXACT = (1e-6, 4e-8)
+SPARSE = (60e-6, 2e-9)
+
+
+def cost(coef, requests, keys):
+    return coef[0] * requests + coef[1] * keys
+
+
+def trained(steps=32, seed=0, noise=0.0) -> DecodeCostModel:
+    rng = random.Random(seed)
+    m = DecodeCostModel(min_steps=16, explore_every=16)
+    for _ in range(steps):
+        r = rng.randint(1, 4)
+        keys = sum(rng.randint(500, 20000) for _ in range(r))
+        m.observe_exact(r, keys, cost(EXACT, r, keys) * (1 + noise * rng.uniform(-1, 1)))
+        m.observe_sparse(r, keys, cost(SPARSE, r, keys) * (1 + noise * rng.uniform(-1, 1)))
+    return m
+
+
+def test_linear_fit_recovers_per_request_and_per_key_costs():
+    fit = LinearCost(decay=1.0)
+    rng = random.Random(1)
+    for _ in range(50):
+        r = rng.randint(1, 8)
+        keys = sum(rng.randint(100, 30000) for _ in range(r))
+        fit.add(r, keys, cost(SPARSE, r, keys))
+    a, b = fit.coefficients()
+    assert a == pytest.approx(SPARSE[0], rel=1e-3) and b * 1e-4 == pytest.approx(SPARSE[1], rel=1e-3)
+    assert fit.per_request(8000) == pytest.approx(cost(SPARSE, 1, 8000), rel=1e-3)
+
+
+def test_forgetting_follows_a_machine_that_changed():
+    fit = LinearCost(decay=0.9)
+    for keys in range(1000, 50000, 1000):
+        fit.add(1, keys, cost(SPARSE, 1, keys))
+    for keys in range(1000, 50000, 1000):  # three times slower now
+        fit.add(1, keys, 3 * cost(SPARSE, 1, keys))
+    assert fit.per_request(10000) == pytest.approx(3 * cost(SPARSE, 1, 10000), rel=0.02)
+
+
+def test_samples_until_both_sides_are_measured():
+    m = DecodeCostModel(min_steps=16)
+    for _ in range(15):
+        m.observe_exact(1, 1000, cost(EXACT, 1, 1000))
+        m.observe_sparse(1, 1000, cost(SPARSE, 1, 1000))
+    assert m.predicted(1000) is None and m.sampling_pays(1000)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_decides_by_the_crossover_and_keeps_exploring(noise):
+    m = trained(noise=noise)
+    # 20% timing noise moves the fitted crossover (~1.55K keys) by a few hundred keys: decide well away from it
+    assert all(m.sampling_pays(n) for n in (3000, 4096, 65536))
+    declined = [m.sampling_pays(500) for _ in range(64)]
+    assert declined.count(True) == 4  # one in explore_every=16 is sampled anyway
+    exact, sparse = m.predicted(500)
+    assert sparse > exact
+    snap = m.snapshot()
+    assert snap["sparse_steps"] == 32 and snap["exact_us@16384"] > snap["sparse_us@16384"]
+
+
+def test_planner_serves_exactly_where_sampling_is_slower():
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    planner = StepPlanner(cfg, 16, IndexStore(Stats(), cfg.segment_tokens), cost=trained())
+    seq = torch.tensor([1000, 5000], dtype=torch.int32)
+    table = torch.arange(2 * 320, dtype=torch.int32).view(2, 320)
+    plan = planner.plan(FakeCam(seq, table), 2, StepSettings.from_config(cfg))
+    assert plan.exact_reason == {0: "sampling_slower"} and plan.sparse == [1]
+
+
+def test_config_switch():
+    assert parse_config({"magicpig": {}}).cost_model is True
+    assert parse_config({"magicpig": {"cost_model": False}}).cost_model is False
+    from vllm_magicpig.config import MagicPigConfigError
+
+    with pytest.raises(MagicPigConfigError, match="'cost_model' must be true or false"):
+        parse_config({"magicpig": {"cost_model": "no"}})

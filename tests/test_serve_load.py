@@ -1,0 +1,81 @@
+"""The load test of the OpenAI server (benchmarks/serve_load.py), CI-sized: 24 concurrent requests
+of the full run's mix (retrievals of 1K-3K-token documents, chats, n > 1, stop strings, clients
+that hang up mid-stream, bad requests), through MAGICPIG and then CPU_ATTN.
+
+The unit tests check that the run's verdict fails on what it must catch; the server test runs the
+load and requires every check to pass.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import serve_load  # noqa: E402
+
+GB = 2**30
+
+
+def report(**over) -> dict:
+    r = {"failures": [], "healthy_after": True, "rss_ready_gb": 6.0, "rss_peak_gb": 7.0, "retrievals": 10,
+         "retrieval_correct": 9}
+    r.update(over)
+    return r
+
+
+def magicpig_report(sparse=100, held=GB, cap_mb=2048, **over) -> dict:
+    return report(magicpig={"decodes_sparse": sparse, "held_bytes_peak": held, "index_memory_mb": cap_mb}, **over)
+
+
+def test_verdict_passes_a_clean_run():
+    assert serve_load.verdict({"MAGICPIG": magicpig_report(), "CPU_ATTN": report()}, [], 4, 1.5) == []
+
+
+@pytest.mark.parametrize("mp, ex, expected", [
+    (magicpig_report(sparse=0), report(), "no decode was served sparse"),
+    (magicpig_report(held=2049 * 2**20), report(), "> index_memory_mb=2048"),
+    (magicpig_report(retrieval_correct=7), report(), "retrieval: MAGICPIG 7/10 < CPU_ATTN 9/10 - 1"),
+    (magicpig_report(failures=["#3 chat: HTTP 500"]), report(), "MAGICPIG: #3 chat: HTTP 500"),
+    (magicpig_report(healthy_after=False), report(), "MAGICPIG: not serving after the load"),
+    (magicpig_report(rss_peak_gb=14.0), report(), "MAGICPIG: RSS grew 8.00 GB"),
+    (magicpig_report(), report(rss_peak_gb=12.0), "CPU_ATTN: RSS grew 6.00 GB > 5.50 GB allowed"),
+], ids=["silent_fallback", "over_cap", "retrieval_rate", "5xx", "unhealthy", "rss_mp", "rss_exact"])
+def test_verdict_catches(mp, ex, expected):
+    problems = serve_load.verdict({"MAGICPIG": mp, "CPU_ATTN": ex}, [], 4, 1.5)
+    assert any(expected in p for p in problems), problems
+
+
+def test_check_flags_a_wrong_response():
+    job = serve_load.Job(0, "stop", "/v1/completions", {}, stop=" six", n=2)
+    ok = serve_load.Outcome(0, "stop", status=200)
+    assert serve_load.check(job, ok, ["one", "two"], ["stop", "length"]) is None
+    assert "stop string" in serve_load.check(job, ok, ["five six", "two"], ["stop", "stop"])
+    assert "1 choices" in serve_load.check(job, ok, ["one"], ["stop"])
+    assert "finish reasons" in serve_load.check(job, ok, ["one", "two"], ["stop", None])
+    bad = serve_load.Job(1, "bad_json", "/v1/completions", None, raw="{", expect_4xx=True)
+    assert serve_load.check(bad, serve_load.Outcome(1, "bad_json", status=200), [], []) is not None
+    assert serve_load.check(bad, serve_load.Outcome(1, "bad_json", status=400), [], []) is None
+    retrieval = serve_load.Job(2, "retrieval", "/v1/completions", {}, pass_key="12345")
+    out = serve_load.Outcome(2, "retrieval", status=200)
+    serve_load.check(retrieval, out, [" 12345."], ["stop"])
+    assert out.correct is True
+    serve_load.check(retrieval, out, [" 54321."], ["stop"])
+    assert out.correct is False
+
+
+@pytest.mark.server
+def test_load_ci_sized(tmp_path):
+    # A cap below what the run would hold (about 700 MiB): eviction must keep it, and requests whose
+    # segments do not fit are served exactly, still answering correctly.
+    magicpig = {"K": 10, "L": 150, "index_memory_mb": 384, "cost_model": False}  # the sampled path under load
+    reports, problems = serve_load.run(24, (1024, 3072), ["MAGICPIG", "CPU_ATTN"], tmp_path / "serve_load",
+                                       magicpig, kv_cache_gb=4)
+    print("\n" + (tmp_path / "serve_load.md").read_text())
+    assert not problems, problems
+    mp = reports["MAGICPIG"]
+    assert mp["magicpig"]["decodes_sparse"] > 0 and mp["magicpig"]["segments"]["evicted"] > 0
+    four_xx = sum(v for k, v in mp["status_counts"].items() if k.startswith("4"))
+    assert mp["retrievals"] >= 5 and four_xx >= 3  # the mix really ran

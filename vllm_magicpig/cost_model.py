@@ -1,0 +1,107 @@
+"""Whether sampling pays for a decode, from this worker's own timings.
+
+Sampling costs a roughly fixed amount per (request, layer) (L bucket lookups per query head and
+segment, the exact sinks and tail) plus a little per key; exact attention costs a little more
+per key. Which is cheaper depends on the context length, the machine, the threads and the kernel,
+so it is measured, not assumed: every pure-decode step times
+
+* the dense layers (and sparse layers whose batch was served by the platform kernel): exact
+  attention over the batch's keys;
+* the sparse layers whose batch was all sampled: sampling, less any index building in the call
+  (a one-off per segment, not a per-step cost).
+
+Each is fitted as ``seconds = a * requests + b * keys`` (least squares with exponential
+forgetting, so a worker that warms up or changes load follows). Once both have enough steps, a
+decode request is served exactly when sampling its context is predicted to be slower than
+attending it exactly (stats: ``sampling_slower``). One such request in ``explore_every`` is
+still sampled, so the sampling side keeps being measured near the crossover.
+"""
+from __future__ import annotations
+
+import threading
+
+KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
+
+
+class LinearCost:
+    """``seconds = a * requests + b * keys``, fitted with exponential forgetting."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.steps = 0
+        self._s = [[0.0, 0.0], [0.0, 0.0]]  # sum of x x^T
+        self._t = [0.0, 0.0]  # sum of x * seconds
+
+    def add(self, requests: int, keys: int, seconds: float) -> None:
+        x = (float(requests), keys * KEY_SCALE)
+        d = self.decay
+        for i in range(2):
+            self._t[i] = d * self._t[i] + x[i] * seconds
+            for j in range(2):
+                self._s[i][j] = d * self._s[i][j] + x[i] * x[j]
+        self.steps += 1
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(seconds per request, seconds per 10K keys), or None while the fit is undetermined.
+        A small ridge term keeps it defined when every step had the same shape; then the split
+        between the two is arbitrary but their sum at the observed shape is right."""
+        (s00, s01), (_, s11) = self._s
+        if s00 <= 0:
+            return None
+        ridge = 1e-6 * (s00 + s11)
+        s00, s11 = s00 + ridge, s11 + ridge
+        det = s00 * s11 - s01 * s01
+        if det <= 0:
+            return None
+        a = (s11 * self._t[0] - s01 * self._t[1]) / det
+        b = (s00 * self._t[1] - s01 * self._t[0]) / det
+        return a, b
+
+    def per_request(self, keys: int) -> float | None:
+        c = self.coefficients()
+        return None if c is None else c[0] + c[1] * keys * KEY_SCALE
+
+
+class DecodeCostModel:
+    def __init__(self, min_steps: int = 16, decay: float = 0.99, explore_every: int = 16) -> None:
+        self.min_steps = min_steps
+        self.explore_every = explore_every
+        self.exact = LinearCost(decay)
+        self.sparse = LinearCost(decay)
+        self._declined = 0
+        self._lock = threading.Lock()
+
+    def observe_exact(self, requests: int, keys: int, seconds: float) -> None:
+        with self._lock:
+            self.exact.add(requests, keys, seconds)
+
+    def observe_sparse(self, requests: int, keys: int, seconds: float) -> None:
+        with self._lock:
+            self.sparse.add(requests, keys, seconds)
+
+    def predicted(self, context: int) -> tuple[float, float] | None:
+        """(exact, sampled) seconds per layer for one request of ``context`` keys, once both
+        sides have ``min_steps`` steps."""
+        with self._lock:
+            if self.exact.steps < self.min_steps or self.sparse.steps < self.min_steps:
+                return None
+            e, s = self.exact.per_request(context), self.sparse.per_request(context)
+        return None if e is None or s is None else (e, s)
+
+    def sampling_pays(self, context: int) -> bool:
+        """Sample this request? True until both sides are measured; then when sampling is
+        predicted no slower than exact, and for one declined request in ``explore_every``."""
+        p = self.predicted(context)
+        if p is None or p[1] <= p[0]:
+            return True
+        self._declined += 1
+        return self._declined % self.explore_every == 0
+
+    def snapshot(self) -> dict:
+        """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys."""
+        out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps}
+        for n in (4096, 16384, 65536):
+            p = self.predicted(n)
+            if p is not None:
+                out[f"exact_us@{n}"], out[f"sparse_us@{n}"] = round(p[0] * 1e6, 1), round(p[1] * 1e6, 1)
+        return out
