@@ -29,6 +29,7 @@ MAGICPIG_CONFIGS = ((8, 75), (9, 120), (10, 150), (10, 220), (11, 300))
 # sharper hashes, looking for the best (K, L) at <= 2% cost
 LOW_COST_CONFIGS = ((11, 150), (12, 300))
 DEFAULT_KL = (10, 150)
+BUDGET_TARGETS = (0.02, 0.04)  # budget mode's target_cost rows
 MAX_MODEL_LEN = 8192  # SmolLM2's native window
 ANSWER_HEADROOM = 128  # >= every task's max_new_tokens
 # evaluation-only centrings at the default (K, L); 'segment' and 'pre_rope' run in torch
@@ -58,6 +59,10 @@ def methods(full_mode: bool, only: set[str] | None = None, sparse_batch: int = S
     for K, L in configs:
         out.append(Method(f"magicpig({K},{L})", {"method": "magicpig", "K": K, "L": L}, "magicpig",
                           batch=sparse_batch))
+    if full_mode:  # budget mode: (K, L) chosen per layer and request for a target cost
+        for target in BUDGET_TARGETS:
+            out.append(Method(f"budget({target:.0%})", {"method": "magicpig", "target_cost": target}, "magicpig",
+                              batch=sparse_batch))
     K, L = DEFAULT_KL
     out.append(Method(f"magicpig({K},{L}) no-centre",
                       {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig", batch=sparse_batch))
