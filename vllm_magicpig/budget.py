@@ -1,38 +1,32 @@
-"""Budget mode: (K, L) chosen per sparse layer and request so that the sampled fraction lands on a target.
+"""Budget mode: (K, L) chosen per sparse layer so that the sampled fraction lands on a target.
 
 With ``"target_cost": 0.02`` in ``additional_config["magicpig"]`` nobody picks K and L by hand:
 
-1. **The request's own angles.** At a request's first sparse decode, each sparse layer measures the
-   angles between that decode's query heads and the request's candidate keys (the tokens the index
-   samples, centred exactly as the index centres them): a histogram over [0, pi]. This costs about
-   one exact decode's q.k and needs no calibration phase: the fraction depends on the layer, the
-   text and the context length (at a fixed (10, 150) on SmolLM2 it rises from 2.4% at 2K to 4.1%
-   at 8K), so one choice per layer cannot hold across contexts; one per request can.
+1. **Calibration, on the first requests.** While a sparse layer is uncalibrated it serves its
+   decodes exactly (stats reason ``calibrating``; nothing is lost) and records the angles between
+   each decode query and the request's centred keys (the keys the index would sample, centred
+   exactly as the index centres them): a histogram over [0, pi] per layer. After
+   ``calibration_decodes`` (request, layer) decodes the layer is calibrated.
 2. **The SimHash collision model.** A key at angle theta from the query agrees on one random
    hyperplane with probability ``1 - theta/pi``, so it collides in one K-bit table with
    ``p = (1 - theta/pi)^K`` and is sampled (>= 2 of L tables) with
-   ``P = 1 - (1-p)^L - L p (1-p)^(L-1)``. The expected sampled fraction is the mean of P over the
-   observed (query, key) angles.
+   ``P = 1 - (1-p)^L - L p (1-p)^(L-1)``. The expected sampled fraction of a layer is the mean of
+   P over its observed (query, key) angles.
 3. **The choice.** The largest K for which some L <= ``max_L`` reaches the target (sharper buckets
    concentrate the sample on the keys closest to the query; ``max_L`` bounds memory and lookups),
    then the integer L whose expected fraction is nearest the target (the fraction grows with L;
    integer K alone is too coarse to land within a few percent).
-4. **Feedback.** The first query predicts later ones imperfectly. Each layer compares what the kernel
-   sampled with what the model expected for the same decodes and learns the ratio (its bias);
-   requests chosen later aim at ``target / bias``. Indexed requests keep their (K, L): nothing is
-   rebuilt.
 
-A choice is remembered per (layer, request centre, target): requests sharing a prompt prefix share
-the centre, the segments and the choice. The index stores segments under their (K, L)
-(``index.segment_owner``), so a segment hashed under one (K, L) is never read under another; the
-layer runs the decode method once per distinct (K, L) in a batch (``layer.py``).
+The histograms do not depend on the target, so one calibration serves every target: a second
+target (the accuracy harness switches targets at run time) is a new choice from the same
+histograms, not a new calibration. Segments are keyed by their layer's (K, L) in the index
+(``index.segment_owner``), so a segment hashed under one (K, L) is never read under another.
 """
 from __future__ import annotations
 
 import logging
 import math
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +40,11 @@ THETA_BINS = 2048
 _CENTRES = (torch.arange(THETA_BINS, dtype=torch.float64) + 0.5) * (math.pi / THETA_BINS)
 
 DEFAULT_MAX_L = 150  # the default config's L: budget mode uses at most the default index memory
+DEFAULT_CALIBRATION_DECODES = 8
 # Feedback on the measured fraction (``Budget._feedback``)
-FEEDBACK_WINDOW = 16  # served (request, layer) decodes per window
-FEEDBACK_BAND = 0.1  # a window whose achieved / expected ratio is within 10% of the current bias changes nothing
-MAX_REQUEST_CHOICES = 1 << 16  # (layer, centre, target) choices kept; the oldest are forgotten first
+FEEDBACK_WINDOW = 16  # served (request, layer) decodes per window, doubled after each correction
+FEEDBACK_BAND = 0.1  # a window within +-10% of the target changes nothing
+FEEDBACK_MAX_ADJUSTMENTS = 8
 
 
 # ----------------------------------------------------------------------------- the collision model
@@ -115,114 +110,129 @@ def angle_histogram(query: torch.Tensor, centred_keys: torch.Tensor) -> torch.Te
 
 # ----------------------------------------------------------------------------- per-runtime state
 @dataclass
-class _LayerState:
-    bias: dict[float, float] = field(default_factory=dict)  # target -> achieved / model, learned by feedback
-    window: dict[float, list[float]] = field(default_factory=dict)  # target -> [sampled, expected, decodes]
-    corrections: dict[float, int] = field(default_factory=dict)
-    last: dict[float, Choice] = field(default_factory=dict)  # target -> the latest request's choice
-    kl_range: dict[float, list[int]] = field(default_factory=dict)  # target -> [K min, K max, L min, L max]
-    requests: dict[float, int] = field(default_factory=dict)  # target -> requests chosen for
+class _Layer:
+    hist: torch.Tensor = field(default_factory=lambda: torch.zeros(THETA_BINS, dtype=torch.float64))
+    decodes: int = 0  # (request, layer) decodes observed
+    calibrated: bool = False
+    choices: dict[float, Choice] = field(default_factory=dict)  # target -> choice
+    # feedback (per target): the model's bias seen so far, and the current window's [sampled, candidates, decodes]
+    correction: dict[float, float] = field(default_factory=dict)
+    window: dict[float, list[int]] = field(default_factory=dict)
+    adjustments: dict[float, int] = field(default_factory=dict)
 
 
 class Budget:
-    """One worker's budget-mode state: each (layer, request centre)'s (K, L) per target, and each
-    layer's learned model bias."""
+    """One worker's budget-mode state: per-layer calibration histograms and (K, L) per target."""
 
-    def __init__(self, max_L: int = DEFAULT_MAX_L, feedback: bool = True) -> None:
+    def __init__(self, max_L: int = DEFAULT_MAX_L, calibration_decodes: int = DEFAULT_CALIBRATION_DECODES,
+                 feedback: bool = True) -> None:
         self.max_L = max_L
         self.feedback = feedback
+        self.calibration_decodes = calibration_decodes
         self._lock = threading.Lock()
-        self.layers: dict[str, _LayerState] = {}
-        # (layer, centre id, target) -> Choice, oldest first
-        self._choices: OrderedDict[tuple[str, int, float], Choice] = OrderedDict()
+        self.layers: dict[str, _Layer] = {}
         # (target, layer) -> [sampled keys, candidate keys]: the achieved fraction, per target
         self.sampled: dict[tuple[float, str], list[int]] = {}
 
-    def bias(self, layer: str, target: float) -> float:
+    def calibrating(self, layer: str) -> bool:
         st = self.layers.get(layer)
-        return st.bias.get(target, 1.0) if st is not None else 1.0
+        return st is None or not st.calibrated
 
-    def request_choice(self, layer: str, cid: int, target: float) -> Choice | None:
-        """The (K, L) chosen for this request centre in this layer, or None before its first decode."""
-        return self._choices.get((layer, cid, target))
-
-    def choose(self, layer: str, cid: int, target: float, hist: torch.Tensor) -> Choice:
-        """Choose the request centre's (K, L) from its angle histogram, for the target divided by the
-        layer's learned bias, and remember it (its segments are hashed with it)."""
+    def observe(self, layer: str, hist: torch.Tensor, decodes: int) -> bool:
+        """Add ``decodes`` observed decodes' angle histogram; True when this made the layer calibrated."""
         with self._lock:
-            st = self.layers.setdefault(layer, _LayerState())
-            bias = st.bias.get(target, 1.0)
-            c = choose_kl(hist, min(target / bias, 1.0), self.max_L)
-            self._choices[(layer, cid, target)] = c
-            while len(self._choices) > MAX_REQUEST_CHOICES:
-                self._choices.popitem(last=False)
-            st.last[target] = c
-            st.requests[target] = st.requests.get(target, 0) + 1
-            r = st.kl_range.get(target)
-            st.kl_range[target] = [c.K, c.K, c.L, c.L] if r is None else [
-                min(r[0], c.K), max(r[1], c.K), min(r[2], c.L), max(r[3], c.L)]
+            st = self.layers.setdefault(layer, _Layer())
+            if st.calibrated:
+                return False
+            st.hist += hist
+            st.decodes += decodes
+            st.calibrated = st.decodes >= self.calibration_decodes and float(st.hist.sum()) > 0
+            return st.calibrated
+
+    def choice(self, layer: str, target: float) -> Choice | None:
+        """The layer's (K, L) for ``target``; None while it is calibrating."""
+        st = self.layers.get(layer)
+        if st is None or not st.calibrated:
+            return None
+        c = st.choices.get(target)
+        if c is None:
+            with self._lock:
+                c = st.choices[target] = choose_kl(st.hist, target, self.max_L)
+            logger.info("MAGICPIG budget: %s calibrated on %d decodes: target %.2f%% -> K=%d L=%d "
+                        "(model fraction %.2f%%)", layer, st.decodes, 100 * target, c.K, c.L,
+                        100 * c.model_fraction)
         return c
 
-    def add_sampled(self, target: float, layer: str, sampled: int, candidates: int, expected: float,
-                    decodes: int = 1) -> None:
-        """Count what the kernel sampled (``expected``: what the model predicted for the same decodes,
-        sum of model fraction x candidates) and feed it back."""
+    def add_sampled(self, target: float, layer: str, sampled: int, candidates: int, decodes: int = 1) -> None:
+        """Count what the kernel sampled at the layer's choice for ``target``; feed it back (below)."""
         s = self.sampled.setdefault((target, layer), [0, 0])
         s[0] += sampled
         s[1] += candidates
         if self.feedback:
-            self._feedback(layer, target, sampled, expected, decodes)
+            self._feedback(layer, target, sampled, candidates, decodes)
 
-    def _feedback(self, layer: str, target: float, sampled: int, expected: float, decodes: int) -> None:
-        """Close the loop on the measured fraction: over windows of ``FEEDBACK_WINDOW`` served decodes,
-        the ratio achieved / expected is the model's bias in this layer (the first decode's angles
-        predict later decodes imperfectly); when it moves by more than ``FEEDBACK_BAND`` the layer's bias
-        becomes the geometric mean of the old one and the new ratio. Requests chosen afterwards aim at
-        ``target / bias``; requests already indexed keep their (K, L) (nothing is rebuilt)."""
-        st = self.layers.setdefault(layer, _LayerState())
-        w = st.window.setdefault(target, [0.0, 0.0, 0])
+    def _feedback(self, layer: str, target: float, sampled: int, candidates: int, decodes: int) -> None:
+        """Close the loop on the measured fraction. Over windows of served decodes (``FEEDBACK_WINDOW``,
+        doubling after each correction, so a correction is rare and cannot oscillate fast), a layer whose
+        achieved fraction is off the target by more than ``FEEDBACK_BAND`` learns the model's bias
+        (achieved / expected at its choice) and chooses again for the target divided by that bias.
+        Its old segments are not reused: the index stores segments under their (K, L)."""
+        st = self.layers.get(layer)
+        if st is None or target not in st.choices:
+            return
+        w = st.window.setdefault(target, [0, 0, 0])
         w[0] += sampled
-        w[1] += expected
+        w[1] += candidates
         w[2] += decodes
-        if w[2] < FEEDBACK_WINDOW or w[1] <= 0:
+        n = st.adjustments.get(target, 0)
+        if w[2] < FEEDBACK_WINDOW << min(n, 6) or w[1] == 0:
             return
-        ratio = w[0] / w[1]
-        st.window[target] = [0.0, 0.0, 0]
-        old = st.bias.get(target, 1.0)
-        if ratio <= 0 or abs(ratio / old - 1) <= FEEDBACK_BAND:
+        achieved = w[0] / w[1]
+        st.window[target] = [0, 0, 0]
+        if abs(achieved / target - 1) <= FEEDBACK_BAND or n >= FEEDBACK_MAX_ADJUSTMENTS:
             return
-        st.bias[target] = min(max(math.sqrt(old * ratio), 0.1), 10.0)
-        st.corrections[target] = st.corrections.get(target, 0) + 1
-        logger.debug("MAGICPIG budget: %s achieved/expected %.2f at target %.2f%%: bias %.2f -> %.2f", layer, ratio,
-                     100 * target, old, st.bias[target])
+        old = st.choices[target]
+        if achieved <= 0 or old.model_fraction <= 0:
+            return
+        with self._lock:
+            corr = min(max(achieved / old.model_fraction, 0.1), 10.0)  # the bias at the current choice
+            st.correction[target] = corr
+            st.adjustments[target] = n + 1
+            new = st.choices[target] = choose_kl(st.hist, min(target / corr, 1.0), self.max_L)
+        logger.info("MAGICPIG budget: %s achieved %.2f%% for target %.2f%% at K=%d L=%d; model bias %.2f: "
+                    "now K=%d L=%d", layer, 100 * achieved, 100 * target, old.K, old.L, corr, new.K, new.L)
 
     def reset_counters(self) -> None:
         self.sampled.clear()
 
+    def recalibrate(self) -> None:
+        """Forget every histogram and choice: the next requests calibrate again."""
+        with self._lock:
+            self.layers.clear()
+            self.sampled.clear()
+
     def snapshot(self) -> dict[str, Any]:
-        """``budget``: per layer and target used: the latest request's (K, L) and the range over
-        requests, its model fraction, the learned bias, and the fraction the kernel achieved since the
-        last stats reset."""
+        """``budget``: per layer the calibration state and, per target used, the chosen (K, L), the
+        model's expected fraction and the fraction the kernel achieved since the last stats reset."""
         layers: dict[str, Any] = {}
         for name, st in sorted(self.layers.items()):
-            entry: dict[str, Any] = {}
-            for target, c in sorted(st.last.items()):
+            entry: dict[str, Any] = {"calibrated": st.calibrated, "calibration_decodes": st.decodes}
+            for target, c in sorted(st.choices.items()):
                 s = self.sampled.get((target, name), [0, 0])
-                k0, k1, l0, l1 = st.kl_range[target]
-                entry[f"{target:g}"] = {"K": c.K, "L": c.L, "K_range": [k0, k1], "L_range": [l0, l1],
-                                        "requests": st.requests.get(target, 0),
-                                        "model_fraction": round(c.model_fraction, 6),
+                entry[f"{target:g}"] = {"K": c.K, "L": c.L, "model_fraction": round(c.model_fraction, 6),
                                         "sampled_fraction": s[0] / s[1] if s[1] else None,
-                                        "model_bias": round(st.bias.get(target, 1.0), 4),
-                                        "corrections": st.corrections.get(target, 0)}
+                                        "model_bias": round(st.correction.get(target, 1.0), 4),
+                                        "adjustments": st.adjustments.get(target, 0)}
             layers[name] = entry
-        targets: dict[str, list[int]] = {}
+        targets: dict[str, Any] = {}
         for (target, _), (s, n) in sorted(self.sampled.items()):
             t = targets.setdefault(f"{target:g}", [0, 0])
             t[0] += s
             t[1] += n
         return {"budget": {
-            "max_L": self.max_L,
+            "max_L": self.max_L, "calibration_decodes_needed": self.calibration_decodes,
+            "calibrated_layers": sum(st.calibrated for st in self.layers.values()),
+            "calibrating_layers": sum(not st.calibrated for st in self.layers.values()),
             "sampled_fraction_per_target": {t: (s / n if n else None) for t, (s, n) in targets.items()},
             "layers": layers,
         }}
@@ -231,12 +241,13 @@ class Budget:
         """The stats log line's budget part (empty when budget mode never ran)."""
         if not self.layers:
             return ""
-        parts = []
-        targets = sorted({t for st in self.layers.values() for t in st.last})
+        done = [st for st in self.layers.values() if st.calibrated]
+        parts = [f"budget[calibrated {len(done)}/{len(self.layers)} layers"]
+        targets = sorted({t for st in done for t in st.choices})
         for t in targets:
-            rs = [st.kl_range[t] for st in self.layers.values() if t in st.kl_range]
+            cs = [st.choices[t] for st in done if t in st.choices]
             s = [v for (tt, _), v in self.sampled.items() if tt == t]
             got = sum(x[0] for x in s) / max(1, sum(x[1] for x in s))
-            parts.append(f"target {t:.2%}: K {min(r[0] for r in rs)}..{max(r[1] for r in rs)} "
-                         f"L {min(r[2] for r in rs)}..{max(r[3] for r in rs)} sampled {got:.2%}")
-        return "budget[" + "; ".join(parts) + "]"
+            parts.append(f"target {t:.2%}: K {min(c.K for c in cs)}..{max(c.K for c in cs)} "
+                         f"L {min(c.L for c in cs)}..{max(c.L for c in cs)} sampled {got:.2%}")
+        return "; ".join(parts) + "]"

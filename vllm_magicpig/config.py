@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from vllm_magicpig import decode_methods, extensions
-from vllm_magicpig.budget import DEFAULT_MAX_L
+from vllm_magicpig.budget import DEFAULT_CALIBRATION_DECODES, DEFAULT_MAX_L
 from vllm_magicpig.limits import K_RANGE, L_RANGE, MAX_SEGMENT_TOKENS
 
 CONFIG_KEY = "magicpig"
@@ -34,14 +34,16 @@ class MagicPigConfig:
     """Number of hash tables (2..1024). Larger L = more samples, more memory."""
     # --- budget mode: K and L chosen per layer (``budget.py``) ---
     target_cost: float | None = None
-    """Target sampled fraction of keys (e.g. 0.02): K and L are then chosen per sparse layer and
-    request from the model's own query/key angles at the request's first decode. Excludes ``K`` and
-    ``L``."""
+    """Target sampled fraction of keys (e.g. 0.02): K and L are then chosen per sparse layer from
+    the model's own query/key angles, calibrated on the first requests. Excludes ``K`` and ``L``."""
     max_L: int = DEFAULT_MAX_L
     """Budget mode: the largest L it may choose (index memory and lookups grow with L)."""
+    calibration_decodes: int = DEFAULT_CALIBRATION_DECODES
+    """Budget mode: (request, layer) decodes each sparse layer observes (served exactly) before
+    choosing its (K, L)."""
     budget_feedback: bool = True
-    """Budget mode: each layer learns the collision model's bias from the fraction the kernel
-    measures, and later requests aim at the target corrected by it."""
+    """Budget mode: a layer whose measured fraction stays off the target by more than 10% learns the
+    model's bias and chooses again (its segments are then rebuilt once)."""
     # --- tokens always attended exactly ---
     sink_tokens: int = 4
     """Initial tokens attended exactly (attention sinks)."""
@@ -125,11 +127,12 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "log_stats_interval": (0, None),
     "cpu_threads": (0, 4096),
     "max_L": L_RANGE,
+    "calibration_decodes": (1, 1_000_000),
 }
 # target_cost: below 0.1% a 16K context keeps ~16 keys per head; above 50% sampling is no cheaper
 # than attending every key exactly.
 TARGET_COST_RANGE = (0.001, 0.5)
-BUDGET_ONLY_KEYS = ("max_L", "budget_feedback")
+BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes", "budget_feedback")
 
 
 def _range_text(lo: int | None, hi: int | None) -> str:
