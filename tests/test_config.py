@@ -263,3 +263,59 @@ def test_extension_keys_keep_their_defaults_and_checks():
     assert cfg.option("quest_page_size") == 8 and cfg.option("budget_fraction") == 0.04
     assert cfg.as_dict()["quest_page_size"] == 8  # spelled as the user spells it
     _raises(["'quest_page_size'=0", "allowed: 1..4096"], quest_page_size=0)
+
+
+# --------------------------------------------------------------------------- budget mode
+
+
+def test_target_cost_is_kept_and_K_L_stay_defaults():
+    cfg = _parse(target_cost=0.02)
+    assert cfg.target_cost == 0.02 and isinstance(cfg.target_cost, float)
+    assert (cfg.max_L, cfg.calibration_decodes) == (150, 8)
+    assert _parse(target_cost=0.04, max_L=300, calibration_decodes=3).max_L == 300
+    assert _parse().budget_feedback is True and _parse(target_cost=0.02, budget_feedback=False).budget_feedback is False
+    _raises(["'budget_feedback'", "true or false"], target_cost=0.02, budget_feedback=0)
+    assert _parse().target_cost is None and _parse(target_cost=None).target_cost is None
+
+
+@pytest.mark.parametrize("explicit", [{"K": 10}, {"L": 150}, {"K": 9, "L": 120}])
+def test_target_cost_with_explicit_K_or_L_is_refused(explicit):
+    keys = [repr(k) for k in explicit]
+    msg = _raises(["'target_cost'", "cannot be combined with", *keys, "drop"], target_cost=0.02, **explicit)
+    assert "drop 'target_cost'" in msg
+
+
+@pytest.mark.parametrize("value", [0, 0.0005, 0.51, 1, -0.02])
+def test_target_cost_out_of_range(value):
+    _raises(["'target_cost'", "out of range", "0.001..0.5"], target_cost=value)
+
+
+@pytest.mark.parametrize("value", ["0.02", True, [0.02]])
+def test_target_cost_wrong_type(value):
+    _raises(["'target_cost'", "must be a number"], target_cost=value)
+
+
+@pytest.mark.parametrize("key,value", [("max_L", 100), ("calibration_decodes", 4), ("budget_feedback", False)])
+def test_budget_keys_need_a_target(key, value):
+    _raises([repr(key), "only in budget mode", "add 'target_cost'"], **{key: value})
+
+
+@pytest.mark.parametrize("key,value,allowed", [("max_L", 1, "2..1024"), ("calibration_decodes", 0, "1..")])
+def test_budget_key_ranges(key, value, allowed):
+    _raises([repr(key), allowed], target_cost=0.02, **{key: value})
+
+
+def test_target_cost_needs_the_magicpig_method():
+    _raises(["'target_cost'", "decode_method 'magicpig'", "'exact'"], target_cost=0.02, decode_method="exact")
+
+
+def test_eval_override_target_cost_excludes_K_L():
+    rt = make_runtime()
+    with pytest.raises(ValueError, match="target_cost"):
+        eval_settings.set_eval(rt, target_cost=0.02, K=10)
+    with pytest.raises(ValueError, match="target_cost"):
+        eval_settings.set_eval(rt, target_cost=0.9)
+    eval_settings.set_eval(rt, target_cost=0.04)
+    assert rt.step_settings().target_cost == 0.04
+    eval_settings.set_eval(rt, K=9, L=120)
+    assert rt.step_settings().target_cost is None and rt.step_settings().K == 9

@@ -10,6 +10,7 @@ import torch
 from vllm_magicpig import kernel
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import LayerContext
+from vllm_magicpig.index import segment_owner
 from vllm_magicpig.kv_layout import CpuVecLayout, gather
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.planner import DecodePlan, StepPlanner, StepSettings, segment_layout
@@ -137,7 +138,7 @@ def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
             s = int(seq[r])
             lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
             assert lo == cfg.sink_tokens and s - hi >= cfg.local_window, f"seed {seed}"
-            segs = [rt.index.get_segment(layer.ctx.name, ref.key) for ref in plan.segments[r]]
+            segs = [rt.index.get_segment(segment_owner(layer.ctx.name, 10, 150), ref.key) for ref in plan.segments[r]]
             kcodes = torch.zeros(hkv, 150, s, dtype=torch.int64)
             kcodes[:, :, lo:hi] = torch.cat([sg.codes() for sg in segs], dim=2).long()
             covered = torch.zeros(s, dtype=torch.bool)

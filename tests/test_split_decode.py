@@ -14,6 +14,7 @@ from vllm_magicpig import device_ops, kernel
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.eval import reference as ref
+from vllm_magicpig.index import segment_owner
 from vllm_magicpig.kv_layout import FlashLayout, gather
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.planner import StepPlanner
@@ -137,7 +138,7 @@ def test_split_decode_equals_the_float64_estimator():
         if r in plan.sparse:
             lo, hi = plan.covered_range(r)
             covered[lo:hi] = True
-            segs = [rt.index.get_segment(layer.ctx.name, ref_.key) for ref_ in plan.segments[r]]
+            segs = [rt.index.get_segment(segment_owner(layer.ctx.name, 10, 150), ref_.key) for ref_ in plan.segments[r]]
             kcodes[:, :, lo:hi] = torch.cat([sg.codes() for sg in segs], dim=2).long()
             spec = plan.centres[r]
             centre = keys[spec.start : spec.end].float().mean(0)
@@ -162,7 +163,8 @@ def test_split_decode_equals_the_single_call_kernel():
     codes = device_ops.hash_codes(q.reshape(-1, D), proj, 10, 150).view(2, H, 150)
     centres = torch.stack([rt.index.centre(layer.ctx.name, plan.centres[r], None)[1] for r in range(2)])
     qdc = (q.view(2, HKV, G, D) * centres[:, :, None, :]).sum(-1).view(2, H)
-    segs = [[rt.index.get_segment(layer.ctx.name, ref_.key) for ref_ in plan.segments[r]] for r in range(2)]
+    owner = segment_owner(layer.ctx.name, 10, 150)
+    segs = [[rt.index.get_segment(owner, ref_.key) for ref_ in plan.segments[r]] for r in range(2)]
     single = torch.empty(2, H, D)
     kernel.sparse_decode_attention(q, codes, qdc, segs, kview, vview, block_table=bt,
                                    dense_ranges=plan.dense_ranges, scale=D**-0.5, K=10, L=150, out=single)

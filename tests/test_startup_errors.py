@@ -160,6 +160,17 @@ def test_unknown_key(engine_start_guard, model_path):
     assert re.search(r"allowed keys:.*\bL\b.*\bsink_tokens\b", msg), msg
 
 
+def test_target_cost_with_explicit_K_L(engine_start_guard, model_path):
+    _expect_frontend_error(engine_start_guard, "'target_cost' chooses K and L per layer", "'K' and 'L'",
+                           "drop 'K' and 'L'", model=model_path,
+                           additional_config={"magicpig": {"target_cost": 0.02, "K": 10, "L": 150}})
+
+
+def test_target_cost_out_of_range(engine_start_guard, model_path):
+    _expect_frontend_error(engine_start_guard, "'target_cost'=0.9", "allowed: a number in 0.001..0.5",
+                           model=model_path, additional_config={"magicpig": {"target_cost": 0.9}})
+
+
 def test_dense_layer_outside_model(engine_start_guard, model_path):
     # SmolLM2-135M has 30 layers: 0..29.
     _expect_frontend_error(engine_start_guard, "'dense_layers'", "[30]", "allowed: 0..29",
@@ -222,6 +233,11 @@ def test_control_valid_config_reaches_engine_start(engine_start_guard, model_pat
     """The SmolLM2 model with a valid MAGICPIG config passes every front-end check."""
     _expect_engine_start(engine_start_guard, model=model_path,
                          additional_config={"magicpig": {"K": 8, "L": 64, "dense_layers": [0, 29]}})
+
+
+def test_control_budget_mode_reaches_engine_start(engine_start_guard, model_path):
+    _expect_engine_start(engine_start_guard, model=model_path,
+                         additional_config={"magicpig": {"target_cost": 0.02, "max_L": 120}})
 
 
 def test_control_tiny_llama_accepted(engine_start_guard, tiny_models):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from vllm_magicpig import decode_methods, extensions
+from vllm_magicpig.budget import DEFAULT_CALIBRATION_DECODES, DEFAULT_MAX_L
 from vllm_magicpig.limits import K_RANGE, L_RANGE, MAX_SEGMENT_TOKENS
 
 CONFIG_KEY = "magicpig"
@@ -31,6 +32,18 @@ class MagicPigConfig:
     """SimHash bits per table (1..16). Larger K = sharper buckets, fewer samples."""
     L: int = 150
     """Number of hash tables (2..1024). Larger L = more samples, more memory."""
+    # --- budget mode: K and L chosen per layer (``budget.py``) ---
+    target_cost: float | None = None
+    """Target sampled fraction of keys (e.g. 0.02): K and L are then chosen per sparse layer from
+    the model's own query/key angles, calibrated on the first requests. Excludes ``K`` and ``L``."""
+    max_L: int = DEFAULT_MAX_L
+    """Budget mode: the largest L it may choose (index memory and lookups grow with L)."""
+    calibration_decodes: int = DEFAULT_CALIBRATION_DECODES
+    """Budget mode: (request, layer) decodes each sparse layer observes (served exactly) before
+    choosing its (K, L)."""
+    budget_feedback: bool = True
+    """Budget mode: a layer whose measured fraction stays off the target by more than 10% learns the
+    model's bias and chooses again (its segments are then rebuilt once)."""
     # --- tokens always attended exactly ---
     sink_tokens: int = 4
     """Initial tokens attended exactly (attention sinks)."""
@@ -113,7 +126,13 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "seed": (0, 2**63 - 1),
     "log_stats_interval": (0, None),
     "cpu_threads": (0, 4096),
+    "max_L": L_RANGE,
+    "calibration_decodes": (1, 1_000_000),
 }
+# target_cost: below 0.1% a 16K context keeps ~16 keys per head; above 50% sampling is no cheaper
+# than attending every key exactly.
+TARGET_COST_RANGE = (0.001, 0.5)
+BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes", "budget_feedback")
 
 
 def _range_text(lo: int | None, hi: int | None) -> str:
@@ -135,6 +154,20 @@ def check_int(key: str, value: Any, bounds: tuple[int | None, int | None] | None
             f"magicpig config: {key!r}={value} is out of range; allowed: {_range_text(lo, hi)}"
         )
     return value
+
+
+def check_target_cost(value: Any) -> float:
+    lo, hi = TARGET_COST_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MagicPigConfigError(
+            f"magicpig config: 'target_cost' must be a number such as 0.02, got {value!r} ({type(value).__name__})"
+        )
+    if not lo <= value <= hi:
+        raise MagicPigConfigError(
+            f"magicpig config: 'target_cost'={value!r} is out of range; allowed: a number in {lo:g}..{hi:g} "
+            "(the fraction of keys sampled, e.g. 0.02)"
+        )
+    return float(value)
 
 
 def check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -207,19 +240,47 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = tuple(sorted(set(layers)))
         elif key in ("centering", "decode_method"):
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
-        elif key in ("inherit_centre", "cost_model"):
+        elif key == "target_cost":
+            values[key] = None if value is None else check_target_cost(value)
+        elif key in ("inherit_centre", "budget_feedback", "cost_model"):
             if not isinstance(value, bool):
                 raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value
         else:  # pragma: no cover - every field is handled above
             raise AssertionError(key)
     cfg = MagicPigConfig(**values, extra=tuple(sorted(extra.items())), given=frozenset(raw))
+    _check_budget(cfg)
     if cfg.max_segment_tokens < cfg.segment_tokens:
         raise MagicPigConfigError(
             f"magicpig config: 'max_segment_tokens'={cfg.max_segment_tokens} must be >= "
             f"'segment_tokens'={cfg.segment_tokens}"
         )
     return cfg
+
+
+def _check_budget(cfg: MagicPigConfig) -> None:
+    """Budget mode chooses K and L itself: explicit ones contradict it, and its own keys need it."""
+    if cfg.target_cost is not None:
+        explicit = [k for k in ("K", "L") if k in cfg.given]
+        if explicit:
+            keys = " and ".join(repr(k) for k in explicit)
+            raise MagicPigConfigError(
+                f"magicpig config: 'target_cost' chooses K and L per layer, so it cannot be combined with {keys}; "
+                f"drop {keys} (or drop 'target_cost' to set K and L by hand)"
+            )
+        if cfg.decode_method != decode_methods.MAGICPIG:
+            raise MagicPigConfigError(
+                f"magicpig config: 'target_cost' applies to decode_method 'magicpig', not "
+                f"{cfg.decode_method!r}; drop one of them"
+            )
+    else:
+        orphans = [k for k in BUDGET_ONLY_KEYS if k in cfg.given]
+        if orphans:
+            verb = "applies" if len(orphans) == 1 else "apply"
+            raise MagicPigConfigError(
+                f"magicpig config: {', '.join(map(repr, orphans))} {verb} only in budget mode; "
+                "add 'target_cost' (e.g. 0.02) or drop them"
+            )
 
 
 def validate_for_model(cfg: MagicPigConfig, *, num_layers: int, block_size: int | None) -> None:

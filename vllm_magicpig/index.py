@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -39,6 +39,15 @@ from vllm_magicpig.stats import Stats
 
 SegmentKey = tuple  # (cid, start_token, size, block_ids tuple)
 Segment = Any  # an ops-level segment: has index_bytes and mirror_bytes
+
+
+def segment_owner(layer: str, K: int, L: int) -> tuple[str, int, int]:
+    """What segments are stored under (the ``layer`` argument of the segment methods): the layer
+    and the (K, L) its segments are hashed with. Under another (K, L) (budget mode's calibration or
+    feedback, another target, a run-time override) none of them is found; unused ones age out by
+    LRU. So a segment hashed under one (K, L) is never read under another. Centres stay per layer
+    name: they do not depend on (K, L)."""
+    return (layer, K, L)
 
 
 @dataclass(frozen=True)
@@ -155,7 +164,7 @@ class IndexStore:
         self.stats.index["centres_invalidated"] += 1
 
     # ------------------------------------------------------------------ segment life cycle
-    def get_or_build(self, layer: str, ref: SegmentRef, build: Callable[[SegmentRef], Segment],
+    def get_or_build(self, layer: Hashable, ref: SegmentRef, build: Callable[[SegmentRef], Segment],
                      merge: Callable[[Sequence[Segment]], Segment], cap_bytes: int | None = None) -> Segment | None:
         """The layer's segment for ``ref``: found; else the longest held segment with the same
         centre and start, grown by indexing only the new tokens and merging (no re-hashing);
@@ -185,7 +194,7 @@ class IndexStore:
             return self._store(layer, ref, seg, cap_bytes)
         return self._store(layer, ref, self._build(build, ref), cap_bytes)
 
-    def _store(self, layer: str, ref: SegmentRef, seg: Segment, cap_bytes: int | None) -> Segment | None:
+    def _store(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None) -> Segment | None:
         if cap_bytes is not None and not self.enforce_cap(cap_bytes - seg.index_bytes - seg.mirror_bytes):
             self.stats.index["segments_refused"] += 1  # no room under the cap: not kept
             return None
@@ -200,7 +209,7 @@ class IndexStore:
         self.stats.index["tokens_indexed"] += ref.num_tokens
         return seg
 
-    def reserve(self, layer: str, refs: Sequence[SegmentRef], cap_bytes: int) -> bool:
+    def reserve(self, layer: Hashable, refs: Sequence[SegmentRef], cap_bytes: int) -> bool:
         """Fit the store under ``cap_bytes`` by evicting least recently used segments that this
         step does not use. When that is not enough, drop ``refs``' segments of this layer and
         return False: the caller serves that request exactly (they are rebuilt when there is room)."""
@@ -215,7 +224,7 @@ class IndexStore:
         self.step += 1
 
     # ------------------------------------------------------------------ segments
-    def get_segment(self, layer: str, key: SegmentKey) -> Segment | None:
+    def get_segment(self, layer: Hashable, key: SegmentKey) -> Segment | None:
         k = (layer, key)
         seg = self._segments.get(k)
         if seg is not None:
@@ -223,14 +232,14 @@ class IndexStore:
             self._last_used[k] = self.step
         return seg
 
-    def peek_segment(self, layer: str, key: SegmentKey) -> Segment | None:
+    def peek_segment(self, layer: Hashable, key: SegmentKey) -> Segment | None:
         """Like get_segment, without counting as a use."""
         return self._segments.get((layer, key))
 
-    def used_this_step(self, layer: str, key: SegmentKey) -> bool:
+    def used_this_step(self, layer: Hashable, key: SegmentKey) -> bool:
         return self._last_used.get((layer, key)) == self.step
 
-    def put_segment(self, layer: str, key: SegmentKey, seg: Segment) -> None:
+    def put_segment(self, layer: Hashable, key: SegmentKey, seg: Segment) -> None:
         k = (layer, key)
         self._segments[k] = seg
         self._last_used[k] = self.step
@@ -242,7 +251,7 @@ class IndexStore:
         self.mirror_bytes += seg.mirror_bytes
         self._publish()
 
-    def drop_segment(self, layer: str, key: SegmentKey) -> None:
+    def drop_segment(self, layer: Hashable, key: SegmentKey) -> None:
         seg = self._segments.pop((layer, key), None)
         if seg is None:
             return

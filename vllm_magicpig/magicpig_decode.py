@@ -15,7 +15,7 @@ import torch
 
 from vllm_magicpig import decode_methods
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
-from vllm_magicpig.index import CentreSpec, SegmentRef
+from vllm_magicpig.index import CentreSpec, SegmentRef, segment_owner
 from vllm_magicpig.kv_layout import KVViews, gather
 from vllm_magicpig.planner import DecodePlan
 from vllm_magicpig.stats import EXACT_EVICTED
@@ -45,16 +45,17 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
     segments: list[list] = [[] for _ in range(plan.num_decodes)]
     centres: dict[int, Any] = {}
     result = DecodeResult(served=[])
+    owner = segment_owner(ctx.name, ctx.settings.K, ctx.settings.L)  # segments hashed with this (K, L) only
     for r in plan.sparse:
         centre = index.centre(ctx.name, plan.centres[r], compute_centre)
         refs = plan.segments[r]
         build = make_build(centre)
-        segs = [index.get_or_build(ctx.name, ref, build, rt.ops.merge_segments, rt.cap_bytes) for ref in refs]
+        segs = [index.get_or_build(owner, ref, build, rt.ops.merge_segments, rt.cap_bytes) for ref in refs]
         fits = all(seg is not None for seg in segs)
         if not fits:
             for ref in refs:  # what was kept of this request's segments frees room for the others
-                index.drop_segment(ctx.name, ref.key)
-        if not fits or not index.reserve(ctx.name, refs, rt.cap_bytes):
+                index.drop_segment(owner, ref.key)
+        if not fits or not index.reserve(owner, refs, rt.cap_bytes):
             # Over the memory cap with everything in use: attend the whole context exactly.
             if dense is plan.dense_ranges:
                 dense = dense.clone()

@@ -95,6 +95,9 @@ class _Metrics:
     tokens_indexed: Counter
     build_seconds: Counter
     sparse_seconds: Counter
+    budget_K: Gauge
+    budget_L: Gauge
+    budget_fraction: Gauge
 
     def all(self) -> list:
         return list(vars(self).values())
@@ -126,8 +129,9 @@ def metrics() -> _Metrics:
             def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
                 return Counter(PREFIX + name, doc, labelnames=LABELS + extra, registry=None)
 
-            def gauge(name: str, doc: str) -> Gauge:
-                return Gauge(PREFIX + name, doc, labelnames=LABELS, registry=None, multiprocess_mode="mostrecent")
+            def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+                return Gauge(PREFIX + name, doc, labelnames=LABELS + extra, registry=None,
+                             multiprocess_mode="mostrecent")
 
             m = _Metrics(
                 decodes=counter(
@@ -154,6 +158,14 @@ def metrics() -> _Metrics:
                 tokens_indexed=counter("tokens_indexed", "Tokens hashed into new segments."),
                 build_seconds=counter("build_seconds", "Seconds spent building and merging index segments."),
                 sparse_seconds=counter("sparse_seconds", "Seconds spent in sparse decode attention."),
+                budget_K=gauge("budget_K", "Budget mode: the K a sparse layer chose for a target cost.",
+                               ("layer", "target")),
+                budget_L=gauge("budget_L", "Budget mode: the L a sparse layer chose for a target cost.",
+                               ("layer", "target")),
+                budget_fraction=gauge(
+                    "budget_sampled_fraction", "Budget mode: keys sampled / candidate keys of a sparse layer at "
+                    "its choice for a target cost, since the worker started (or magicpig_reset_stats).",
+                    ("layer", "target")),
             )
             REGISTRY.register(_Forwarder(m))
             _metrics = m
@@ -216,6 +228,14 @@ class Exporter:
         m.segments_live.labels(*labels).set(index.get("segments_live") or 0)
         if snap.get("sampled_fraction") is not None:  # no series before the first sparse decode
             m.sampled_fraction.labels(*labels).set(snap["sampled_fraction"])
+        budget_layers = (snap.get("budget") or {}).get("layers") or {}
+        for layer, entry in budget_layers.items():  # a series per (layer, target) once chosen
+            for target, c in entry.items():
+                if isinstance(c, dict):
+                    m.budget_K.labels(*labels, layer, target).set(c["K"])
+                    m.budget_L.labels(*labels, layer, target).set(c["L"])
+                    if c.get("sampled_fraction") is not None:
+                        m.budget_fraction.labels(*labels, layer, target).set(c["sampled_fraction"])
 
 
 def serves_magicpig(vllm_config) -> bool:

@@ -31,10 +31,13 @@ class StepSettings:
     L: int
     centering: str
     options: Mapping[str, Any] = field(default_factory=dict)  # method-specific, from extensions
+    target_cost: float | None = None
+    """Budget mode (``budget.py``): each sparse layer replaces K and L by its own calibrated choice
+    for this target (``SparseLayer.begin``); None = K and L as given, for every layer."""
 
     @classmethod
     def from_config(cls, cfg: MagicPigConfig) -> "StepSettings":
-        return cls(cfg.decode_method, cfg.K, cfg.L, cfg.centering, cfg.options())
+        return cls(cfg.decode_method, cfg.K, cfg.L, cfg.centering, cfg.options(), cfg.target_cost)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vllm_magicpig import decode_methods, extensions
+from vllm_magicpig.budget import Budget
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.cost_model import DecodeCostModel
 from vllm_magicpig.host_mirror import HostMirror
@@ -55,6 +56,9 @@ class MagicPigRuntime:
         self.methods = dict(methods or {})
         self.dense_attention = dense_attention
         self.extension_state: dict[str, Any] = {}
+        # Budget mode's calibration and per-layer (K, L) (used when a step's settings carry a target)
+        self.budget = Budget(cfg.max_L, cfg.calibration_decodes, cfg.budget_feedback)
+        self.stats.add_section("budget", self.budget.snapshot, self.budget.reset_counters, self.budget.summary)
         # Layer observers: ``before_decode(ctx, kv, plan)`` runs before every sparse layer's decode
         # (also when the platform kernel serves it), ``after_decode(ctx, query, kv, plan, out,
         # result)`` after a decode through a registered method. Empty unless an extension needs them.

@@ -22,8 +22,9 @@ EXACT_METHOD = "decode_method_exact"
 EXACT_NOT_MIRRORED = "not_mirrored"
 # this worker's timings predict that sampling the context would be slower than exact attention
 EXACT_SAMPLING_SLOWER = "sampling_slower"
+EXACT_CALIBRATING = "calibrating"  # budget mode: the layer is still learning its (K, L)
 EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
-                 EXACT_SAMPLING_SLOWER)
+                 EXACT_SAMPLING_SLOWER, EXACT_CALIBRATING)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 
@@ -31,8 +32,9 @@ _GAUGES = ("segments_live", "staged_bytes")
 class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # name -> (snapshot, reset): counters owned by an extension, shown beside ours
-        self._sections: dict[str, tuple[Callable[[], dict], Callable[[], None] | None]] = {}
+        # name -> (snapshot, reset, summary): counters owned by another part, shown beside ours
+        self._sections: dict[str, tuple[Callable[[], dict], Callable[[], None] | None,
+                                        Callable[[], str] | None]] = {}
         self.index_bytes = 0
         self.mirror_bytes = 0
         # the most index + mirror bytes ever held at once (a gauge of the worker's life: no reset)
@@ -57,13 +59,15 @@ class Stats:
         self.build_seconds = 0.0
         self.sparse_seconds = 0.0
         self.index.update(held)
-        for _, reset in self._sections.values():
+        for _, reset, _ in self._sections.values():
             if reset is not None:
                 reset()
 
-    def add_section(self, name: str, snapshot: Callable[[], dict], reset: Callable[[], None] | None = None) -> None:
-        """Merge ``snapshot()``'s keys into every snapshot; ``reset()`` runs with ours."""
-        self._sections[name] = (snapshot, reset)
+    def add_section(self, name: str, snapshot: Callable[[], dict], reset: Callable[[], None] | None = None,
+                    summary: Callable[[], str] | None = None) -> None:
+        """Merge ``snapshot()``'s keys into every snapshot; ``reset()`` runs with ours; ``summary()``
+        (if given; empty = nothing) is appended to the log line."""
+        self._sections[name] = (snapshot, reset, summary)
 
     def count_layer(self, layer_name: str) -> None:
         self.layer_calls[layer_name] += 1
@@ -101,20 +105,21 @@ class Stats:
                 "build_seconds": round(self.build_seconds, 4),
                 "sparse_seconds": round(self.sparse_seconds, 4),
             }
-            for snapshot, _ in self._sections.values():
+            for snapshot, _, _ in self._sections.values():
                 out.update(snapshot())
             return out
 
     def summary_line(self) -> str:
         frac = self.sampled_fraction()
         exact = ", ".join(f"{k}={v}" for k, v in sorted(self.decode_exact.items())) or "none"
+        extra = [text for _, _, summary in self._sections.values() if summary is not None and (text := summary())]
         return (
             f"MAGICPIG stats: steps={self.steps} decode_sparse={self.decode_sparse} "
             f"decode_exact[{exact}] prefill_tokens={self.prefill_tokens} "
             f"sampled_fraction={'n/a' if frac is None else f'{frac:.2%}'} "
             f"segments={dict(self.index)} index_MiB={self.index_bytes / 2**20:.1f} "
             f"mirror_MiB={self.mirror_bytes / 2**20:.1f}"
-        )
+        ) + "".join(" " + t for t in extra)
 
 
 def empty_snapshot() -> dict[str, Any]:

@@ -29,6 +29,7 @@ MAGICPIG_CONFIGS = ((8, 75), (9, 120), (10, 150), (10, 220), (11, 300))
 # sharper hashes, looking for the best (K, L) at <= 2% cost
 LOW_COST_CONFIGS = ((11, 150), (12, 300))
 DEFAULT_KL = (10, 150)
+BUDGET_TARGETS = (0.02, 0.04)  # budget mode's target_cost rows
 MAX_MODEL_LEN = 8192  # SmolLM2's native window
 ANSWER_HEADROOM = 128  # >= every task's max_new_tokens
 # evaluation-only centrings at the default (K, L); 'segment' and 'pre_rope' run in torch
@@ -58,6 +59,10 @@ def methods(full_mode: bool, only: set[str] | None = None, sparse_batch: int = S
     for K, L in configs:
         out.append(Method(f"magicpig({K},{L})", {"method": "magicpig", "K": K, "L": L}, "magicpig",
                           batch=sparse_batch))
+    if full_mode:  # budget mode: (K, L) chosen per layer and request for a target cost
+        for target in BUDGET_TARGETS:
+            out.append(Method(f"budget({target:.0%})", {"method": "magicpig", "target_cost": target}, "magicpig",
+                              batch=sparse_batch))
     K, L = DEFAULT_KL
     out.append(Method(f"magicpig({K},{L}) no-centre",
                       {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig", batch=sparse_batch))
@@ -157,7 +162,7 @@ def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, method_li
                 sc = [T.score(samples[i].task, preds[i], samples[i].answers) for i in idx]
                 rows.append(Row(m.name, m.family, ctx, task, 100.0 * sum(sc) / max(1, len(sc)), cost, len(sc),
                                 {"decode_sparse": st["decode_sparse"], "decode_by_method": st["decode_by_method"],
-                                 "decode_exact": st["decode_exact"]}))
+                                 "decode_exact": st["decode_exact"], "scores": [100.0 * x for x in sc]}))
             log(f"[{ctx}] {m.name:28s} cost={'n/a' if cost is None else f'{cost:.3%}'} "
                 f"avg={sum(r.score for r in rows[-len(task_names):]) / len(task_names):.1f} "
                 f"evicted={st['decode_exact'].get('evicted', 0)} ({time.perf_counter() - t0:.0f}s)")
@@ -276,6 +281,10 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inh
             summary.append(dict(method=name, family=next(iter(rs.values())).family, context=ctx, cost=cost, avg=avg))
             lines.append(f"| {name} | {ctx} | {'-' if cost is None else f'{cost:.2%}'} | "
                          + " | ".join(f"{rs[t].score:.0f}" for t in tasks) + f" | {avg:.1f} |")
+    ci_lines, ci = confidence_table(rows)
+    for entry in summary:
+        entry.update(ci.get((entry["method"], entry["context"]), {}))
+    lines += ci_lines
     evicted = sorted({f"{r.method} @{r.context}" for r in rows if r.extra.get("decode_exact", {}).get("evicted")})
     if evicted:
         lines += ["", "Over the index memory cap (some layers of some requests served exactly): " + ", ".join(evicted)]
@@ -304,6 +313,41 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inh
     return table
 
 
+def confidence_table(rows: list[Row], reference: str = "full", margin: float = 2.0,
+                     level: float = 0.95) -> tuple[list[str], dict]:
+    """Each (method, context) average with a bootstrap interval over prompts (stratified by task), and
+    the paired difference against ``reference`` on the same prompts. "within 2 points" holds when the
+    difference's interval reaches -``margin`` or better (it cannot be rejected); rows without per-prompt
+    scores (older result files) are skipped. Returns (markdown lines, {(method, context): fields})."""
+    groups: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in rows:
+        if "scores" in r.extra:
+            groups.setdefault((r.method, r.context), {})[r.task] = r.extra["scores"]
+    if not groups:
+        return [], {}
+    pct = f"{100 * level:.0f}%"
+    lines = ["", f"Average score with a bootstrap {pct} interval over prompts (resampled within each task), and "
+             f"the paired difference against {reference} on the same prompts (\"within {margin:g} points\": the "
+             f"difference's interval reaches -{margin:g} or better):", "",
+             f"| method | context | prompts | avg [{pct} CI] | difference vs {reference} [{pct} CI] | "
+             f"within {margin:g} points |", "|---|---|---|---|---|---|"]
+    out: dict = {}
+    for (name, ctx), by_task in groups.items():
+        avg = fidelity.bootstrap_mean(by_task, level=level)
+        fields: dict = {"avg_ci": [avg.low, avg.high], "prompts": avg.n}
+        ref = groups.get((reference, ctx))
+        diff_text, within = "-", "-"
+        if ref is not None and name != reference and set(ref) == set(by_task) and all(
+                len(ref[t]) == len(by_task[t]) for t in by_task):
+            d = fidelity.bootstrap_paired_difference(by_task, ref, level=level)
+            fields.update(diff=d.estimate, diff_ci=[d.low, d.high], within=d.within(-margin))
+            diff_text = f"{d.estimate:+.1f} [{d.low:+.1f}, {d.high:+.1f}]"
+            within = "yes" if d.within(-margin) else "no"
+        out[(name, ctx)] = fields
+        lines.append(f"| {name} | {ctx} | {avg.n} | {avg} | {diff_text} | {within} |")
+    return lines, out
+
+
 def _plot(summary: list[dict], path: Path) -> None:
     """Accuracy against measured cost, one panel per context, one colour per family."""
     try:
@@ -325,6 +369,10 @@ def _plot(summary: list[dict], path: Path) -> None:
                 colour = "tab:purple"
             x = max(s["cost"], 1e-3) * 100
             ax.scatter(x, s["avg"], marker=marker, color=colour, s=70)
+            if s.get("avg_ci"):  # bootstrap interval over prompts
+                lo, hi = s["avg_ci"]
+                ax.errorbar(x, s["avg"], yerr=[[s["avg"] - lo], [hi - s["avg"]]], color=colour, capsize=3,
+                            lw=1, alpha=0.7)
             label = s["method"].replace("magicpig", "MP").replace("-centre", " centre")
             ax.annotate(label, (x, s["avg"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xscale("log")

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 __all__ = ["Agreement", "token_agreement", "kl_per_position", "mean_kl", "relative_error",
-           "max_abs_error"]
+           "max_abs_error", "Interval", "bootstrap_mean", "bootstrap_paired_difference"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,79 @@ def max_abs_error(approx: Any, exact: Any) -> float:
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch: {a.shape} vs {e.shape}")
     return float(np.max(np.abs(a - e))) if a.size else 0.0
+
+
+# ----------------------------------------------------------------------------- bootstrap intervals
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate and its bootstrap percentile interval (``level``, e.g. 0.95)."""
+
+    estimate: float
+    low: float
+    high: float
+    level: float
+    n: int  # prompts resampled
+
+    def within(self, bound: float) -> bool:
+        """True when ``bound`` or better lies inside the interval, i.e. ``high >= bound``: for a paired
+        difference (method - reference) and ``bound = -2``, "within 2 points" cannot be rejected."""
+        return self.high >= bound
+
+    def __str__(self) -> str:
+        return f"{self.estimate:.1f} [{self.low:.1f}, {self.high:.1f}]"
+
+
+def _strata(scores: Mapping[Any, Sequence[float]] | Sequence[float]) -> list[np.ndarray]:
+    if isinstance(scores, Mapping):
+        groups = [np.asarray(v, dtype=np.float64) for _, v in sorted(scores.items(), key=lambda kv: str(kv[0]))]
+    else:
+        groups = [np.asarray(scores, dtype=np.float64)]
+    groups = [g for g in groups if g.size]
+    if not groups:
+        raise ValueError("bootstrap needs at least one score")
+    return groups
+
+
+def _percentiles(draws: np.ndarray, level: float) -> tuple[float, float]:
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    a = (1 - level) / 2
+    lo, hi = np.quantile(draws, [a, 1 - a])
+    return float(lo), float(hi)
+
+
+def bootstrap_mean(scores: Mapping[Any, Sequence[float]] | Sequence[float], *, n_boot: int = 4000,
+                   level: float = 0.95, seed: int = 0) -> Interval:
+    """The mean score with a percentile bootstrap interval over prompts.
+
+    ``scores``: per-prompt scores, or a mapping task -> per-prompt scores. With tasks, the estimate is
+    the mean of the task means (the harness's "avg") and prompts are resampled within each task
+    (stratified), so every draw keeps each task's sample count."""
+    groups = _strata(scores)
+    rng = np.random.default_rng(seed)
+    est = float(np.mean([g.mean() for g in groups]))
+    draws = np.zeros(n_boot)
+    for g in groups:
+        idx = rng.integers(0, g.size, size=(n_boot, g.size))
+        draws += g[idx].mean(axis=1)
+    draws /= len(groups)
+    lo, hi = _percentiles(draws, level)
+    return Interval(est, lo, hi, level, sum(g.size for g in groups))
+
+
+def bootstrap_paired_difference(scores: Mapping[Any, Sequence[float]] | Sequence[float],
+                                reference: Mapping[Any, Sequence[float]] | Sequence[float], *,
+                                n_boot: int = 4000, level: float = 0.95, seed: int = 0) -> Interval:
+    """``mean(scores) - mean(reference)`` over the same prompts, with a paired bootstrap interval:
+    each draw resamples prompts (within each task) and takes both methods' scores on the same
+    prompts, so the prompt-to-prompt variance both share cancels."""
+    if isinstance(scores, Mapping) != isinstance(reference, Mapping) or (
+            isinstance(scores, Mapping) and set(map(str, scores)) != set(map(str, reference))):
+        raise ValueError("paired scores need the same tasks on both sides")
+    a, b = _strata(scores), _strata(reference)
+    if [g.size for g in a] != [g.size for g in b]:
+        raise ValueError(f"paired scores need the same prompts: sizes {[g.size for g in a]} vs "
+                         f"{[g.size for g in b]}")
+    diffs = [x - y for x, y in zip(a, b)]
+    return bootstrap_mean({i: d for i, d in enumerate(diffs)} if len(diffs) > 1 else diffs[0], n_boot=n_boot,
+                          level=level, seed=seed)

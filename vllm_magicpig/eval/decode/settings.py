@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from vllm_magicpig import decode_methods
-from vllm_magicpig.config import MagicPigConfigError, check_int
+from vllm_magicpig.config import MagicPigConfigError, check_int, check_target_cost
 from vllm_magicpig.limits import K_RANGE, L_RANGE
 
 STATE_KEY = "eval"
@@ -51,6 +51,7 @@ class EvalOverride:
     centering: str | None = None
     budget_fraction: float | None = None
     quest_page_size: int | None = None
+    target_cost: float | None = None  # budget mode at this target (K, L chosen per layer; excludes K and L)
     measure_error: bool = False  # record each served request's relative error vs exact attention
     calibrate: bool = False  # add decode requests' keys to the centring calibration
 
@@ -122,6 +123,10 @@ def set_eval(runtime, **kw) -> dict:
             kw["budget_fraction"] = parse_budget_fraction(kw["budget_fraction"])
         if "quest_page_size" in kw:
             kw["quest_page_size"] = parse_quest_page_size(kw["quest_page_size"])
+        if kw.get("target_cost") is not None:
+            kw["target_cost"] = check_target_cost(kw["target_cost"])
+            if kw.get("K") is not None or kw.get("L") is not None:
+                raise MagicPigConfigError("magicpig config: 'target_cost' chooses K and L per layer; give it or K/L")
     except MagicPigConfigError as e:  # the same checks as the config's, reported as a bad call
         raise ValueError(str(e).replace("magicpig config: ", "evaluation setting ")) from None
     if "centering" in kw:
@@ -167,6 +172,10 @@ def apply_override(runtime, settings):
     for k in ("budget_fraction", "quest_page_size"):
         if getattr(ov, k) is not None:
             options[k] = getattr(ov, k)
+    if ov.K is not None or ov.L is not None:
+        changes["target_cost"] = None  # explicit K/L: one (K, L) for every layer, no budget mode
+    if ov.target_cost is not None:
+        changes["target_cost"] = ov.target_cost  # budget mode at this target (calibrated once per runtime)
     settings = dataclasses.replace(settings, **changes, options=options)
     if settings.method == decode_methods.MAGICPIG and settings.centering in PER_KEY_CENTRINGS:
         settings = dataclasses.replace(settings, method=PER_KEY_METHOD)

@@ -1,0 +1,91 @@
+"""Bootstrap intervals of the accuracy harness (``eval/metrics.py``, ``harness.confidence_table``):
+scores over prompts with a 95% interval, and paired differences against full attention.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_magicpig.eval import harness
+from vllm_magicpig.eval import metrics as M
+
+
+def test_constant_scores_have_a_point_interval():
+    iv = M.bootstrap_mean([50.0] * 12)
+    assert (iv.estimate, iv.low, iv.high, iv.n) == (50.0, 50.0, 50.0, 12)
+
+
+def test_interval_covers_the_true_mean_about_95_percent_of_the_time():
+    rng = np.random.default_rng(1)
+    covered = 0
+    trials = 300
+    for t in range(trials):
+        scores = 100.0 * (rng.random(60) < 0.4)
+        iv = M.bootstrap_mean(scores, n_boot=1000, seed=t)
+        covered += iv.low <= 40.0 <= iv.high
+    assert 0.89 <= covered / trials <= 0.99, covered / trials
+
+
+def test_tasks_are_averaged_and_resampled_separately():
+    by_task = {"a": [100.0] * 30, "b": [0.0, 100.0] * 2}  # pooled mean would be 91.2; task mean 75
+    iv = M.bootstrap_mean(by_task, seed=3)
+    assert iv.estimate == pytest.approx(75.0) and iv.n == 34
+    assert 50.0 <= iv.low < 75.0 < iv.high <= 100.0  # only task b varies: at most 50 points either way / 2
+
+
+def test_paired_difference_is_much_tighter_than_unpaired_intervals():
+    rng = np.random.default_rng(2)
+    ref = 100.0 * (rng.random(40) < 0.5)
+    ours = ref.copy()
+    ours[:3] = 100.0 - ours[:3]  # differs on 3 prompts of 40
+    d = M.bootstrap_paired_difference(ours, ref)
+    assert d.estimate == pytest.approx((ours - ref).mean())
+    a, b = M.bootstrap_mean(ours), M.bootstrap_mean(ref)
+    unpaired = float(np.hypot(a.high - a.low, b.high - b.low))  # width of an independent difference
+    assert d.high - d.low < 0.5 * unpaired, (d, a, b)
+    same = M.bootstrap_paired_difference(ref, ref)
+    assert (same.estimate, same.low, same.high) == (0.0, 0.0, 0.0)
+
+
+def test_within_margin_reads_the_upper_end():
+    assert M.Interval(-5.0, -9.0, -1.5, 0.95, 10).within(-2)  # -2 cannot be rejected
+    assert not M.Interval(-5.0, -9.0, -2.5, 0.95, 10).within(-2)
+
+
+def test_paired_needs_the_same_prompts():
+    with pytest.raises(ValueError, match="same prompts"):
+        M.bootstrap_paired_difference([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="same tasks"):
+        M.bootstrap_paired_difference({"a": [1.0]}, {"b": [1.0]})
+    with pytest.raises(ValueError, match="at least one"):
+        M.bootstrap_mean([])
+
+
+def _rows(method, ctx, scores_by_task, with_scores=True):
+    out = []
+    for task, sc in scores_by_task.items():
+        extra = {"scores": sc} if with_scores else {}
+        out.append(harness.Row(method, "magicpig" if method != "full" else "full", ctx, task,
+                               sum(sc) / len(sc), 1.0, len(sc), extra))
+    return out
+
+
+def test_confidence_table_reports_intervals_and_the_2_point_verdict():
+    full = {"niah": [100.0] * 8 + [0.0] * 2, "vt": [100.0, 0.0] * 5}
+    close = {"niah": [100.0] * 8 + [0.0] * 2, "vt": [100.0, 0.0] * 4 + [0.0, 0.0]}  # one prompt worse
+    far = {"niah": [0.0] * 10, "vt": [0.0] * 10}
+    rows = _rows("full", 4096, full) + _rows("close", 4096, close) + _rows("far", 4096, far)
+    lines, fields = harness.confidence_table(rows)
+    text = "\n".join(lines)
+    assert "| close | 4096 | 20 |" in text and "| far | 4096 | 20 |" in text
+    assert fields[("close", 4096)]["within"] is True
+    assert fields[("far", 4096)]["within"] is False
+    assert fields[("far", 4096)]["diff"] == pytest.approx(-65.0)
+    assert "diff" not in fields[("full", 4096)]
+    lo, hi = fields[("close", 4096)]["avg_ci"]
+    assert lo <= 60.0 <= hi
+
+
+def test_confidence_table_skips_rows_without_per_prompt_scores():
+    rows = _rows("full", 4096, {"niah": [100.0, 0.0]}, with_scores=False)
+    assert harness.confidence_table(rows) == ([], {})
