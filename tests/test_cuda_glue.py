@@ -97,6 +97,7 @@ def test_cuda_index_cap_is_sized_from_host_memory_unless_set(cuda_backend, tmp_p
     fixed = cuda_backend.make_cuda_runtime(parse_config({"magicpig": {"index_memory_mb": 100}}), num_layers=4,
                                            block_size=16)
     assert fixed.cfg.index_memory_mb == 100 and fixed.cap_bytes == 100 * 2**20
+    assert fixed.cost is None  # host timings of asynchronous GPU kernels would not be their cost
 
 
 # --------------------------------------------------------------------------- start-up checks
