@@ -258,11 +258,11 @@ class MagicPigImplMixin:
         self.sparse_layer.forward(query, kv, plan, output)
         if rt.cost is not None and not plan.exact_reason:  # all sampled: sampling's cost, less index builds
             seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
-            rt.cost.observe_sparse(len(plan.sparse), sum(plan.seq_lens), seconds)
+            rt.cost.observe_sparse(len(plan.sparse), plan.context_keys, seconds)
 
 
 def observe_exact(meta: MagicPigMetadata, seconds: float) -> None:
     """Exact attention over the step's decode requests took ``seconds`` (for the cost model)."""
     cost, plan = meta.runtime.cost, meta.sparse_plan
     if cost is not None and plan is not None:
-        cost.observe_exact(plan.num_decodes, sum(plan.seq_lens), seconds)
+        cost.observe_exact(plan.num_decodes, plan.context_keys, seconds)

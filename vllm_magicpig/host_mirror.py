@@ -211,6 +211,3 @@ class HostMirror:
 
     def _publish(self) -> None:
         self.stats.index["staged_bytes"] = self.staged_bytes
-
-    def is_ready(self, b: int) -> bool:
-        return b in self._ready

@@ -215,9 +215,13 @@ class IndexStore:
         return False: the caller serves that request exactly (they are rebuilt when there is room)."""
         if self.enforce_cap(cap_bytes):
             return True
+        self.drop_refs(layer, refs)
+        return False
+
+    def drop_refs(self, layer: Hashable, refs: Sequence[SegmentRef]) -> None:
+        """Give up a request's segments of this layer (it is served exactly), freeing room for others."""
         for ref in refs:
             self.drop_segment(layer, ref.key)
-        return False
 
     def begin_step(self) -> None:
         """A new engine step: "used this step" starts afresh."""

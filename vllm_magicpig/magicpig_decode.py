@@ -53,8 +53,7 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
         segs = [index.get_or_build(owner, ref, build, rt.ops.merge_segments, rt.cap_bytes) for ref in refs]
         fits = all(seg is not None for seg in segs)
         if not fits:
-            for ref in refs:  # what was kept of this request's segments frees room for the others
-                index.drop_segment(owner, ref.key)
+            index.drop_refs(owner, refs)
         if not fits or not index.reserve(owner, refs, rt.cap_bytes):
             # Over the memory cap with everything in use: attend the whole context exactly.
             if dense is plan.dense_ranges:

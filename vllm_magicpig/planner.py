@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 import torch
@@ -103,6 +104,11 @@ class DecodePlan:
     segments: dict[int, list[SegmentRef]] = field(default_factory=dict)
     covered: dict[int, int] = field(default_factory=dict)  # request -> indexed token count
     exact_reason: dict[int, str] = field(default_factory=dict)  # requests planned exact, and why
+
+    @cached_property
+    def context_keys(self) -> int:
+        """Keys attended over all decode requests (the cost model's size of the step)."""
+        return sum(self.seq_lens)
 
     def covered_range(self, r: int) -> tuple[int, int]:
         """[lo, hi): the LSH-sampled tokens of request r (empty when it is exact)."""

@@ -18,6 +18,7 @@ tests) the "device" is the CPU and copies are no-ops.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -39,9 +40,7 @@ class HostBuffers:
         self._bufs: dict[tuple, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        n = 1
-        for x in shape:
-            n *= x
+        n = math.prod(shape)
         buf = self._bufs.get((name, dtype))
         if buf is None or buf.numel() < n:
             buf = self._bufs[(name, dtype)] = torch.empty(max(n, 1), dtype=dtype, pin_memory=pinned)
