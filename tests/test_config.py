@@ -273,8 +273,6 @@ def test_target_cost_is_kept_and_K_L_stay_defaults():
     assert cfg.target_cost == 0.02 and isinstance(cfg.target_cost, float)
     assert (cfg.max_L, cfg.calibration_decodes) == (150, 8)
     assert _parse(target_cost=0.04, max_L=300, calibration_decodes=3).max_L == 300
-    assert _parse().budget_feedback is True and _parse(target_cost=0.02, budget_feedback=False).budget_feedback is False
-    _raises(["'budget_feedback'", "true or false"], target_cost=0.02, budget_feedback=0)
     assert _parse().target_cost is None and _parse(target_cost=None).target_cost is None
 
 
@@ -295,7 +293,7 @@ def test_target_cost_wrong_type(value):
     _raises(["'target_cost'", "must be a number"], target_cost=value)
 
 
-@pytest.mark.parametrize("key,value", [("max_L", 100), ("calibration_decodes", 4), ("budget_feedback", False)])
+@pytest.mark.parametrize("key,value", [("max_L", 100), ("calibration_decodes", 4)])
 def test_budget_keys_need_a_target(key, value):
     _raises([repr(key), "only in budget mode", "add 'target_cost'"], **{key: value})
 
@@ -303,6 +301,10 @@ def test_budget_keys_need_a_target(key, value):
 @pytest.mark.parametrize("key,value,allowed", [("max_L", 1, "2..1024"), ("calibration_decodes", 0, "1..")])
 def test_budget_key_ranges(key, value, allowed):
     _raises([repr(key), allowed], target_cost=0.02, **{key: value})
+
+
+def test_the_removed_budget_feedback_key_is_unknown():
+    _raises(["'budget_feedback'"], target_cost=0.02, budget_feedback=True)
 
 
 def test_target_cost_needs_the_magicpig_method():

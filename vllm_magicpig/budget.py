@@ -1,34 +1,45 @@
-"""Budget mode: (K, L) chosen per sparse layer so that the sampled fraction lands on a target.
+"""Budget mode: (K, L) chosen per sparse layer and request so that the sampled fraction lands on a target.
 
 With ``"target_cost": 0.02`` in ``additional_config["magicpig"]`` nobody picks K and L by hand:
 
-1. **Calibration, on the first requests.** While a sparse layer is uncalibrated it serves its
-   decodes exactly (stats reason ``calibrating``; nothing is lost) and records the angles between
-   each decode query and the request's centred keys (the keys the index would sample, centred
-   exactly as the index centres them): a histogram over [0, pi] per layer. After
-   ``calibration_decodes`` (request, layer) decodes the layer is calibrated.
-2. **The SimHash collision model.** A key at angle theta from the query agrees on one random
+1. **The SimHash collision model.** A key at angle theta from the query agrees on one random
    hyperplane with probability ``1 - theta/pi``, so it collides in one K-bit table with
    ``p = (1 - theta/pi)^K`` and is sampled (>= 2 of L tables) with
-   ``P = 1 - (1-p)^L - L p (1-p)^(L-1)``. The expected sampled fraction of a layer is the mean of
-   P over its observed (query, key) angles.
-3. **The choice.** The largest K for which some L <= ``max_L`` reaches the target (sharper buckets
+   ``P = 1 - (1-p)^L - L p (1-p)^(L-1)``. The expected sampled fraction is the mean of P over the
+   (query head, key) angles. Measured on SmolLM2, this expectation over one decode's own angles
+   matches what the kernel samples at that decode to within a few percent.
+2. **Per request, from its own angles.** The angle distribution, and so the fraction at a fixed
+   (K, L), moves with the context: at (10, 150) SmolLM2 samples 2.4% of a 2K context and 4.1% of
+   an 8K one. A choice made per layer on other requests cannot hold across contexts, so each
+   request chooses in each sparse layer at its first decode, from the angles between that decode's
+   query heads and the request's centred keys (the keys the index samples, centred as the index
+   centres them), and samples at once: nothing is served exactly to calibrate.
+3. **Refinement.** One query is a noisy sample of the request's queries (its fraction differs from
+   the request's mean by up to ~30%). The angles of the request's first ``calibration_decodes``
+   decodes are pooled; if the first choice's expected fraction over the pool is off the target by
+   more than ``REFINE_BAND``, the request chooses again from the pool (its segments are then
+   rebuilt once, under the new (K, L)). Refining at 2, 4, 8 pooled decodes as well measured no
+   better on SmolLM2 (noise-level differences), so it is done once. Then the choice holds until
+   the request's indexed context has grown by ``REGROW`` (a long generation, or a turn inheriting
+   a shorter prefix's centre): then it is chosen afresh.
+4. **The choice.** The largest K for which some L <= ``max_L`` reaches the target (sharper buckets
    concentrate the sample on the keys closest to the query; ``max_L`` bounds memory and lookups),
    then the integer L whose expected fraction is nearest the target (the fraction grows with L;
    integer K alone is too coarse to land within a few percent).
 
-The histograms do not depend on the target, so one calibration serves every target: a second
-target (the accuracy harness switches targets at run time) is a new choice from the same
-histograms, not a new calibration. Segments are keyed by their layer's (K, L) in the index
-(``index.segment_owner``), so a segment hashed under one (K, L) is never read under another.
+A request is known by its centre (``CentreSpec.cid``): the planner gives a prompt its centre at the
+first decode, and a prefix-cache hit on the same prompt shares it, with the same keys. Segments are
+keyed by their (K, L) in the index (``index.segment_owner``), so a segment hashed under one (K, L)
+is never read under another.
 """
 from __future__ import annotations
 
 import logging
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,11 +51,10 @@ THETA_BINS = 2048
 _CENTRES = (torch.arange(THETA_BINS, dtype=torch.float64) + 0.5) * (math.pi / THETA_BINS)
 
 DEFAULT_MAX_L = 150  # the default config's L: budget mode uses at most the default index memory
-DEFAULT_CALIBRATION_DECODES = 8
-# Feedback on the measured fraction (``Budget._feedback``)
-FEEDBACK_WINDOW = 16  # served (request, layer) decodes per window, doubled after each correction
-FEEDBACK_BAND = 0.1  # a window within +-10% of the target changes nothing
-FEEDBACK_MAX_ADJUSTMENTS = 8
+DEFAULT_CALIBRATION_DECODES = 8  # SmolLM2 2K-8K, 1-4%: 4 (band 10%) left 3 of 252 layer rows off +-25%, 8 none
+REFINE_BAND = 0.05  # a first choice whose expectation over the pooled angles is within +-5% holds
+REGROW = 1.5  # re-choose when the request's indexed keys have grown by this factor since its choice
+MAX_TRACKED = 1 << 15  # (layer, request, target) choices remembered, least recently used dropped
 
 
 # ----------------------------------------------------------------------------- the collision model
@@ -110,144 +120,149 @@ def angle_histogram(query: torch.Tensor, centred_keys: torch.Tensor) -> torch.Te
 
 # ----------------------------------------------------------------------------- per-runtime state
 @dataclass
-class _Layer:
-    hist: torch.Tensor = field(default_factory=lambda: torch.zeros(THETA_BINS, dtype=torch.float64))
-    decodes: int = 0  # (request, layer) decodes observed
-    calibrated: bool = False
-    choices: dict[float, Choice] = field(default_factory=dict)  # target -> choice
-    # feedback (per target): the model's bias seen so far, and the current window's [sampled, candidates, decodes]
-    correction: dict[float, float] = field(default_factory=dict)
-    window: dict[float, list[int]] = field(default_factory=dict)
-    adjustments: dict[float, int] = field(default_factory=dict)
+class _RequestChoice:
+    choice: Choice
+    chosen_at: int  # the request's indexed keys when chosen
+    hist: torch.Tensor | None  # pooled angles while refining; None once the choice holds
+    decodes: int = 1
+
+
+@dataclass
+class _LayerTally:
+    """One (target, layer)'s record since the last stats reset: choices made and what was sampled."""
+
+    last: Choice | None = None
+    choices: int = 0
+    refined: int = 0
+    K_range: list[int] = field(default_factory=list)  # [min, max]
+    L_range: list[int] = field(default_factory=list)
+    sampled: int = 0
+    candidates: int = 0
+
+    def record(self, c: Choice) -> None:
+        self.last = c
+        self.choices += 1
+        self.K_range = [min(self.K_range[0], c.K), max(self.K_range[1], c.K)] if self.K_range else [c.K, c.K]
+        self.L_range = [min(self.L_range[0], c.L), max(self.L_range[1], c.L)] if self.L_range else [c.L, c.L]
 
 
 class Budget:
-    """One worker's budget-mode state: per-layer calibration histograms and (K, L) per target."""
+    """One worker's budget-mode state: each (layer, request, target)'s (K, L), and per-layer tallies."""
 
-    def __init__(self, max_L: int = DEFAULT_MAX_L, calibration_decodes: int = DEFAULT_CALIBRATION_DECODES,
-                 feedback: bool = True) -> None:
+    def __init__(self, max_L: int = DEFAULT_MAX_L, calibration_decodes: int = DEFAULT_CALIBRATION_DECODES) -> None:
         self.max_L = max_L
-        self.feedback = feedback
         self.calibration_decodes = calibration_decodes
         self._lock = threading.Lock()
-        self.layers: dict[str, _Layer] = {}
-        # (target, layer) -> [sampled keys, candidate keys]: the achieved fraction, per target
-        self.sampled: dict[tuple[float, str], list[int]] = {}
+        self._requests: OrderedDict[tuple[str, int, float], _RequestChoice] = OrderedDict()
+        self._tally: dict[tuple[float, str], _LayerTally] = {}
 
-    def calibrating(self, layer: str) -> bool:
-        st = self.layers.get(layer)
-        return st is None or not st.calibrated
-
-    def observe(self, layer: str, hist: torch.Tensor, decodes: int) -> bool:
-        """Add ``decodes`` observed decodes' angle histogram; True when this made the layer calibrated."""
+    def request_choice(self, layer: str, request: int, target: float, indexed: int,
+                       angles: Callable[[], torch.Tensor]) -> Choice:
+        """The (K, L) of ``request`` (its centre id) in ``layer`` for ``target`` at a decode over
+        ``indexed`` keys; ``angles()`` gives this decode's angle histogram, and is called only while
+        the request chooses or refines (it costs a pass over the request's keys)."""
+        key = (layer, request, target)
         with self._lock:
-            st = self.layers.setdefault(layer, _Layer())
-            if st.calibrated:
-                return False
-            st.hist += hist
-            st.decodes += decodes
-            st.calibrated = st.decodes >= self.calibration_decodes and float(st.hist.sum()) > 0
-            return st.calibrated
-
-    def choice(self, layer: str, target: float) -> Choice | None:
-        """The layer's (K, L) for ``target``; None while it is calibrating."""
-        st = self.layers.get(layer)
-        if st is None or not st.calibrated:
-            return None
-        c = st.choices.get(target)
-        if c is None:
+            entry = self._requests.get(key)
+            if entry is not None:
+                self._requests.move_to_end(key)
+        if entry is None or indexed >= REGROW * entry.chosen_at:
+            hist = angles()
+            entry = _RequestChoice(choose_kl(hist, target, self.max_L), indexed,
+                                   hist if self.calibration_decodes > 1 else None)
             with self._lock:
-                c = st.choices[target] = choose_kl(st.hist, target, self.max_L)
-            logger.info("MAGICPIG budget: %s calibrated on %d decodes: target %.2f%% -> K=%d L=%d "
-                        "(model fraction %.2f%%)", layer, st.decodes, 100 * target, c.K, c.L,
-                        100 * c.model_fraction)
-        return c
+                self._requests[key] = entry
+                while len(self._requests) > MAX_TRACKED:
+                    self._requests.popitem(last=False)
+                self._tally_of(target, layer).record(entry.choice)
+            return entry.choice
+        if entry.hist is not None:
+            entry.hist += angles()
+            entry.decodes += 1
+            if entry.decodes >= self.calibration_decodes:
+                hist, entry.hist = entry.hist, None
+                self._refine(layer, target, entry, hist)
+        return entry.choice
 
-    def add_sampled(self, target: float, layer: str, sampled: int, candidates: int, decodes: int = 1) -> None:
-        """Count what the kernel sampled at the layer's choice for ``target``; feed it back (below)."""
-        s = self.sampled.setdefault((target, layer), [0, 0])
-        s[0] += sampled
-        s[1] += candidates
-        if self.feedback:
-            self._feedback(layer, target, sampled, candidates, decodes)
-
-    def _feedback(self, layer: str, target: float, sampled: int, candidates: int, decodes: int) -> None:
-        """Close the loop on the measured fraction. Over windows of served decodes (``FEEDBACK_WINDOW``,
-        doubling after each correction, so a correction is rare and cannot oscillate fast), a layer whose
-        achieved fraction is off the target by more than ``FEEDBACK_BAND`` learns the model's bias
-        (achieved / expected at its choice) and chooses again for the target divided by that bias.
-        Its old segments are not reused: the index stores segments under their (K, L)."""
-        st = self.layers.get(layer)
-        if st is None or target not in st.choices:
+    def _refine(self, layer: str, target: float, entry: _RequestChoice, hist: torch.Tensor) -> None:
+        """Per the module docs, step 3: choose again from the pooled angles if the first choice is off."""
+        old = entry.choice
+        if abs(expected_fraction(hist, old.K, old.L) / target - 1) <= REFINE_BAND:
             return
-        w = st.window.setdefault(target, [0, 0, 0])
-        w[0] += sampled
-        w[1] += candidates
-        w[2] += decodes
-        n = st.adjustments.get(target, 0)
-        if w[2] < FEEDBACK_WINDOW << min(n, 6) or w[1] == 0:
+        new = choose_kl(hist, target, self.max_L)
+        if (new.K, new.L) == (old.K, old.L):
             return
-        achieved = w[0] / w[1]
-        st.window[target] = [0, 0, 0]
-        if abs(achieved / target - 1) <= FEEDBACK_BAND or n >= FEEDBACK_MAX_ADJUSTMENTS:
-            return
-        old = st.choices[target]
-        if achieved <= 0 or old.model_fraction <= 0:
-            return
+        entry.choice = new
+        logger.debug("MAGICPIG budget: %s refined for target %.2f%%: K=%d L=%d -> K=%d L=%d", layer, 100 * target,
+                     old.K, old.L, new.K, new.L)
         with self._lock:
-            corr = min(max(achieved / old.model_fraction, 0.1), 10.0)  # the bias at the current choice
-            st.correction[target] = corr
-            st.adjustments[target] = n + 1
-            new = st.choices[target] = choose_kl(st.hist, min(target / corr, 1.0), self.max_L)
-        logger.info("MAGICPIG budget: %s achieved %.2f%% for target %.2f%% at K=%d L=%d; model bias %.2f: "
-                    "now K=%d L=%d", layer, 100 * achieved, 100 * target, old.K, old.L, corr, new.K, new.L)
+            tally = self._tally_of(target, layer)
+            tally.record(new)
+            tally.refined += 1
+
+    def _tally_of(self, target: float, layer: str) -> _LayerTally:
+        return self._tally.setdefault((target, layer), _LayerTally())
+
+    def add_sampled(self, target: float, layer: str, sampled: int, candidates: int) -> None:
+        """Count what the kernel sampled in ``layer`` at the choices for ``target``."""
+        with self._lock:
+            t = self._tally_of(target, layer)
+            t.sampled += sampled
+            t.candidates += candidates
+
+    def choosing(self) -> int:
+        """(layer, request, target) choices still pooling angles."""
+        return sum(e.hist is not None for e in list(self._requests.values()))
 
     def reset_counters(self) -> None:
-        self.sampled.clear()
-
-    def recalibrate(self) -> None:
-        """Forget every histogram and choice: the next requests calibrate again."""
         with self._lock:
-            self.layers.clear()
-            self.sampled.clear()
+            self._tally.clear()
+
+    def forget(self) -> None:
+        """Forget every request's choice: the next decodes choose afresh."""
+        with self._lock:
+            self._requests.clear()
+            self._tally.clear()
 
     def snapshot(self) -> dict[str, Any]:
-        """``budget``: per layer the calibration state and, per target used, the chosen (K, L), the
-        model's expected fraction and the fraction the kernel achieved since the last stats reset."""
+        """``budget``: per layer and target used since the last stats reset, the latest choice (K, L,
+        its expected fraction), the range of choices, how many were made and refined, and the fraction
+        the kernel achieved."""
         layers: dict[str, Any] = {}
-        for name, st in sorted(self.layers.items()):
-            entry: dict[str, Any] = {"calibrated": st.calibrated, "calibration_decodes": st.decodes}
-            for target, c in sorted(st.choices.items()):
-                s = self.sampled.get((target, name), [0, 0])
-                entry[f"{target:g}"] = {"K": c.K, "L": c.L, "model_fraction": round(c.model_fraction, 6),
-                                        "sampled_fraction": s[0] / s[1] if s[1] else None,
-                                        "model_bias": round(st.correction.get(target, 1.0), 4),
-                                        "adjustments": st.adjustments.get(target, 0)}
-            layers[name] = entry
-        targets: dict[str, Any] = {}
-        for (target, _), (s, n) in sorted(self.sampled.items()):
-            t = targets.setdefault(f"{target:g}", [0, 0])
-            t[0] += s
-            t[1] += n
+        targets: dict[str, list[int]] = {}
+        with self._lock:
+            tallies = sorted(self._tally.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        for (target, name), t in tallies:
+            if t.last is None:
+                continue
+            layers.setdefault(name, {})[f"{target:g}"] = {
+                "K": t.last.K, "L": t.last.L, "model_fraction": round(t.last.model_fraction, 6),
+                "K_range": t.K_range, "L_range": t.L_range, "choices": t.choices, "refined": t.refined,
+                "sampled_fraction": t.sampled / t.candidates if t.candidates else None}
+            agg = targets.setdefault(f"{target:g}", [0, 0])
+            agg[0] += t.sampled
+            agg[1] += t.candidates
         return {"budget": {
-            "max_L": self.max_L, "calibration_decodes_needed": self.calibration_decodes,
-            "calibrated_layers": sum(st.calibrated for st in self.layers.values()),
-            "calibrating_layers": sum(not st.calibrated for st in self.layers.values()),
-            "sampled_fraction_per_target": {t: (s / n if n else None) for t, (s, n) in targets.items()},
+            "max_L": self.max_L, "calibration_decodes": self.calibration_decodes,
+            "requests_tracked": len(self._requests), "requests_refining": self.choosing(),
+            "sampled_fraction_per_target": {k: (s / n if n else None) for k, (s, n) in targets.items()},
             "layers": layers,
         }}
 
     def summary(self) -> str:
         """The stats log line's budget part (empty when budget mode never ran)."""
-        if not self.layers:
+        with self._lock:
+            tallies = list(self._tally.items())
+        if not tallies:
             return ""
-        done = [st for st in self.layers.values() if st.calibrated]
-        parts = [f"budget[calibrated {len(done)}/{len(self.layers)} layers"]
-        targets = sorted({t for st in done for t in st.choices})
-        for t in targets:
-            cs = [st.choices[t] for st in done if t in st.choices]
-            s = [v for (tt, _), v in self.sampled.items() if tt == t]
-            got = sum(x[0] for x in s) / max(1, sum(x[1] for x in s))
-            parts.append(f"target {t:.2%}: K {min(c.K for c in cs)}..{max(c.K for c in cs)} "
-                         f"L {min(c.L for c in cs)}..{max(c.L for c in cs)} sampled {got:.2%}")
-        return "; ".join(parts) + "]"
+        parts = []
+        for target in sorted({key[0] for key, _ in tallies}):
+            ts = [v for (tt, _), v in tallies if tt == target and v.last is not None]
+            if not ts:
+                continue
+            got = sum(v.sampled for v in ts) / max(1, sum(v.candidates for v in ts))
+            parts.append(f"target {target:.2%}: {len(ts)} layers, K {min(v.K_range[0] for v in ts)}.."
+                         f"{max(v.K_range[1] for v in ts)} L {min(v.L_range[0] for v in ts)}.."
+                         f"{max(v.L_range[1] for v in ts)}, {sum(v.choices for v in ts)} choices "
+                         f"({sum(v.refined for v in ts)} refined), sampled {got:.2%}")
+        return f"budget[{'; '.join(parts)}]" if parts else ""

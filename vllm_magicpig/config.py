@@ -32,18 +32,15 @@ class MagicPigConfig:
     """SimHash bits per table (1..16). Larger K = sharper buckets, fewer samples."""
     L: int = 150
     """Number of hash tables (2..1024). Larger L = more samples, more memory."""
-    # --- budget mode: K and L chosen per layer (``budget.py``) ---
+    # --- budget mode: K and L chosen per layer and request (``budget.py``) ---
     target_cost: float | None = None
-    """Target sampled fraction of keys (e.g. 0.02): K and L are then chosen per sparse layer from
-    the model's own query/key angles, calibrated on the first requests. Excludes ``K`` and ``L``."""
+    """Target sampled fraction of keys (e.g. 0.02): K and L are then chosen per sparse layer and
+    request from the model's own query/key angles. Excludes ``K`` and ``L``."""
     max_L: int = DEFAULT_MAX_L
     """Budget mode: the largest L it may choose (index memory and lookups grow with L)."""
     calibration_decodes: int = DEFAULT_CALIBRATION_DECODES
-    """Budget mode: (request, layer) decodes each sparse layer observes (served exactly) before
-    choosing its (K, L)."""
-    budget_feedback: bool = True
-    """Budget mode: a layer whose measured fraction stays off the target by more than 10% learns the
-    model's bias and chooses again (its segments are then rebuilt once)."""
+    """Budget mode: a request's first decodes whose pooled query/key angles refine its (K, L) in each
+    layer (all are sampled; the first chooses alone)."""
     # --- tokens always attended exactly ---
     sink_tokens: int = 4
     """Initial tokens attended exactly (attention sinks)."""
@@ -132,7 +129,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
 # target_cost: below 0.1% a 16K context keeps ~16 keys per head; above 50% sampling is no cheaper
 # than attending every key exactly.
 TARGET_COST_RANGE = (0.001, 0.5)
-BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes", "budget_feedback")
+BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes")
 
 
 def _range_text(lo: int | None, hi: int | None) -> str:
@@ -242,7 +239,7 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
         elif key == "target_cost":
             values[key] = None if value is None else check_target_cost(value)
-        elif key in ("inherit_centre", "budget_feedback", "cost_model"):
+        elif key in ("inherit_centre", "cost_model"):
             if not isinstance(value, bool):
                 raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value

@@ -43,8 +43,8 @@ Segment = Any  # an ops-level segment: has index_bytes and mirror_bytes
 
 def segment_owner(layer: str, K: int, L: int) -> tuple[str, int, int]:
     """What segments are stored under (the ``layer`` argument of the segment methods): the layer
-    and the (K, L) its segments are hashed with. Under another (K, L) (budget mode's calibration or
-    feedback, another target, a run-time override) none of them is found; unused ones age out by
+    and the (K, L) its segments are hashed with. Under another (K, L) (another request's or target's
+    budget-mode choice, a refinement, a run-time override) none of them is found; unused ones age out by
     LRU. So a segment hashed under one (K, L) is never read under another. Centres stay per layer
     name: they do not depend on (K, L)."""
     return (layer, K, L)

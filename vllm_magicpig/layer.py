@@ -1,11 +1,13 @@
 """One sparse layer's execution of the step plan, and the accounting of every decode, once.
 
-``SparseLayer.begin`` binds the layer's settings (in budget mode, its own calibrated K and L),
-reads the layer's KV views and tells the extensions' layer observers; then either the platform
-kernel serves the batch (nothing sampled this step) and :meth:`SparseLayer.account_exact` counts
-it, or :meth:`SparseLayer.forward` runs the step's decode method (``decode_methods.py``) and counts
-what it reports. A budget-mode layer that is still calibrating serves its decodes exactly through
-the same method and records the query/key angles (``budget.py``).
+``SparseLayer.begin`` binds the step's settings, reads the layer's KV views and tells the
+extensions' layer observers; then either the platform kernel serves the batch (nothing sampled
+this step) and :meth:`SparseLayer.account_exact` counts it, or :meth:`SparseLayer.forward` runs
+the step's decode method (``decode_methods.py``) and counts what it reports.
+
+Budget mode (``budget.py``): each request has its own (K, L) in each layer, chosen from its own
+query/key angles. The decode method runs once per distinct (K, L) in the batch, on the requests
+that share it (usually one group: requests of similar contexts choose alike).
 """
 from __future__ import annotations
 
@@ -14,11 +16,10 @@ import dataclasses
 import torch
 
 from vllm_magicpig import decode_methods, magicpig_decode  # noqa: F401  (registers the production method)
-from vllm_magicpig.budget import angle_histogram
+from vllm_magicpig.budget import Choice, angle_histogram
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
 from vllm_magicpig.kv_layout import KVViews, gather, request_blocks
 from vllm_magicpig.planner import DecodePlan, StepSettings
-from vllm_magicpig.stats import EXACT_CALIBRATING
 
 
 def budget_applies(st: StepSettings) -> bool:
@@ -29,54 +30,74 @@ class SparseLayer:
     def __init__(self, ctx: LayerContext) -> None:
         self.ctx = ctx
 
-    def layer_settings(self, st: StepSettings) -> StepSettings:
-        """The step's settings as this layer runs them: in budget mode, with the layer's own (K, L)
-        (the config's while the layer calibrates: nothing is hashed then)."""
-        if budget_applies(st):
-            choice = self.ctx.runtime.budget.choice(self.ctx.name, st.target_cost)
-            if choice is not None and (choice.K, choice.L) != (st.K, st.L):
-                return dataclasses.replace(st, K=choice.K, L=choice.L)
-        return st
-
     def begin(self, kv_cache: torch.Tensor, plan: DecodePlan) -> KVViews:
         """Bind the step's settings and the layer's cache views; run the observers' before_decode."""
-        ctx = self.ctx
-        st = ctx.settings = self.layer_settings(plan.settings)
-        ctx.projection = ctx.runtime.projection(ctx.head_size, st.K, st.L)
-        kv = ctx.runtime.layout.views(kv_cache)
-        for observer in ctx.runtime.observers:
-            observer.before_decode(ctx, kv, plan)
+        self._bind(plan.settings)
+        kv = self.ctx.runtime.layout.views(kv_cache)
+        for observer in self.ctx.runtime.observers:
+            observer.before_decode(self.ctx, kv, plan)
         return kv
+
+    def _bind(self, st: StepSettings) -> None:
+        self.ctx.settings = st
+        self.ctx.projection = self.ctx.runtime.projection(self.ctx.head_size, st.K, st.L)
 
     def forward(self, query: torch.Tensor, kv: KVViews, plan: DecodePlan, output: torch.Tensor) -> None:
         """Decode attention for every decode request of the plan, by the step's method."""
         ctx = self.ctx
         R, H, D = plan.num_decodes, ctx.num_heads, ctx.head_size
         q, out = query.view(R, H, D), output.view(R, H, D)
+        if budget_applies(plan.settings) and plan.sparse:
+            self._forward_budget(q, kv, plan, out)
+        else:
+            self._run(q, kv, plan, out)
+
+    def _run(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> None:
+        ctx = self.ctx
         method = ctx.runtime.decode_method(plan.settings.method)
-        if budget_applies(plan.settings) and ctx.runtime.budget.calibrating(ctx.name):
-            self._observe_angles(q, kv, plan)
-            plan = calibration_plan(plan)
         result = method.forward(ctx, q, kv, plan, out)
         self._account(plan, result, label=result.label or method.name)
         for observer in ctx.runtime.observers:
             observer.after_decode(ctx, q, kv, plan, out, result)
 
-    def _observe_angles(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan) -> None:
-        """Budget-mode calibration: the angles between each planned-sparse request's query heads and
-        its candidate keys (the tokens the index would sample), centred as the index centres them."""
-        ctx = self.ctx
-        centring = decode_methods.get_centring(ctx.settings.centering)
-        hist = None
+    # ------------------------------------------------------------------ budget mode
+    def _forward_budget(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> None:
+        choices = {r: self._request_choice(q, kv, plan, r) for r in plan.sparse}
+        groups: dict[tuple[int, int], list[int]] = {}
         for r in plan.sparse:
+            groups.setdefault((choices[r].K, choices[r].L), []).append(r)
+        base = plan.settings
+        if len(groups) == 1:
+            ((K, L),) = groups
+            self._bind(dataclasses.replace(base, K=K, L=L))
+            self._run(q, kv, plan, out)
+            return
+        # One call per (K, L); the requests planned exact ride with the first group.
+        exact_rows = [r for r in range(plan.num_decodes) if r not in choices]
+        for i, ((K, L), rows) in enumerate(groups.items()):
+            rows = sorted(rows + (exact_rows if i == 0 else []))
+            idx = torch.tensor(rows, dtype=torch.long, device=q.device)
+            sub_out = torch.empty(len(rows), *out.shape[1:], dtype=out.dtype, device=out.device)
+            self._bind(dataclasses.replace(base, K=K, L=L))
+            self._run(q.index_select(0, idx).contiguous(), kv, sub_plan(plan, rows), sub_out)
+            out.index_copy_(0, idx, sub_out)
+
+    def _request_choice(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, r: int) -> Choice:
+        """Request r's (K, L) in this layer (``Budget.request_choice``); its angles, when needed, are
+        between this decode's query heads and the request's indexed keys, centred as the index does."""
+        ctx, spec = self.ctx, plan.centres[r]
+        centring = decode_methods.get_centring(plan.settings.centering)
+
+        def angles() -> torch.Tensor:
             lo, hi = plan.covered_range(r)
             keys = gather(kv.key, request_blocks(plan.block_table, r, hi, kv.block_size), lo, hi)
-            centre = centring(ctx, plan.centres[r], kv).to(device=keys.device, dtype=torch.float32)
-            h = angle_histogram(q[r], keys.to(torch.float32) - centre)
-            hist = h if hist is None else hist + h
-        if hist is not None:
-            ctx.runtime.budget.observe(ctx.name, hist, len(plan.sparse))
+            centre = ctx.runtime.index.centre(ctx.name, spec, lambda s: centring(ctx, s, kv))
+            return angle_histogram(q[r], keys.to(torch.float32) - centre.to(device=keys.device, dtype=torch.float32))
 
+        return ctx.runtime.budget.request_choice(ctx.name, spec.cid, plan.settings.target_cost, plan.covered[r],
+                                                 angles)
+
+    # ------------------------------------------------------------------ accounting
     def account_exact(self, plan: DecodePlan) -> None:
         """The platform kernel served every decode request of the plan (none was planned sparse)."""
         self._account(plan, DecodeResult(served=[]), label=None)
@@ -94,16 +115,19 @@ class SparseLayer:
             stats.add_sampled(self.ctx.name, result.sampled, candidates)
             if budget_applies(plan.settings):
                 self.ctx.runtime.budget.add_sampled(plan.settings.target_cost, self.ctx.name, result.sampled,
-                                                    candidates, len(result.served))
+                                                    candidates)
 
 
-def calibration_plan(plan: DecodePlan) -> DecodePlan:
-    """``plan`` with its sparse requests served exactly (whole context), counted as ``calibrating``."""
-    dense = plan.dense_ranges.clone()
-    reasons = dict(plan.exact_reason)
-    for r in plan.sparse:
-        s = plan.seq_lens[r]
-        dense[r, 0, 0], dense[r, 0, 1], dense[r, 1, 0], dense[r, 1, 1] = 0, s, s, s
-        reasons[r] = EXACT_CALIBRATING
-    return dataclasses.replace(plan, dense_ranges=dense, sparse=[], centres={}, segments={}, covered={},
-                               exact_reason=reasons)
+def sub_plan(plan: DecodePlan, rows: list[int]) -> DecodePlan:
+    """The plan restricted to requests ``rows`` (renumbered 0..len-1 in that order)."""
+    new = {r: i for i, r in enumerate(rows)}
+    idx = torch.tensor(rows, dtype=torch.long)
+
+    def keep(d: dict) -> dict:
+        return {new[r]: v for r, v in d.items() if r in new}
+
+    return DecodePlan(plan.settings, len(rows), plan.block_table.index_select(0, idx.to(plan.block_table.device)),
+                      [plan.seq_lens[r] for r in rows],
+                      plan.dense_ranges.index_select(0, idx.to(plan.dense_ranges.device)),
+                      [new[r] for r in plan.sparse if r in new], keep(plan.centres), keep(plan.segments),
+                      keep(plan.covered), keep(plan.exact_reason))

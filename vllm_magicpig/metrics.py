@@ -158,9 +158,9 @@ def metrics() -> _Metrics:
                 tokens_indexed=counter("tokens_indexed", "Tokens hashed into new segments."),
                 build_seconds=counter("build_seconds", "Seconds spent building and merging index segments."),
                 sparse_seconds=counter("sparse_seconds", "Seconds spent in sparse decode attention."),
-                budget_K=gauge("budget_K", "Budget mode: the K a sparse layer chose for a target cost.",
+                budget_K=gauge("budget_K", "Budget mode: the K of a sparse layer's latest request choice for a target.",
                                ("layer", "target")),
-                budget_L=gauge("budget_L", "Budget mode: the L a sparse layer chose for a target cost.",
+                budget_L=gauge("budget_L", "Budget mode: the L of a sparse layer's latest request choice for a target.",
                                ("layer", "target")),
                 budget_fraction=gauge(
                     "budget_sampled_fraction", "Budget mode: keys sampled / candidate keys of a sparse layer at "

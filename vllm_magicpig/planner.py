@@ -33,8 +33,8 @@ class StepSettings:
     centering: str
     options: Mapping[str, Any] = field(default_factory=dict)  # method-specific, from extensions
     target_cost: float | None = None
-    """Budget mode (``budget.py``): each sparse layer replaces K and L by its own calibrated choice
-    for this target (``SparseLayer.begin``); None = K and L as given, for every layer."""
+    """Budget mode (``budget.py``): each sparse layer replaces K and L by each request's own choice
+    for this target (``SparseLayer.forward``); None = K and L as given, for every layer."""
 
     @classmethod
     def from_config(cls, cfg: MagicPigConfig) -> "StepSettings":

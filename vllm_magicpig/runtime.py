@@ -56,8 +56,8 @@ class MagicPigRuntime:
         self.methods = dict(methods or {})
         self.dense_attention = dense_attention
         self.extension_state: dict[str, Any] = {}
-        # Budget mode's calibration and per-layer (K, L) (used when a step's settings carry a target)
-        self.budget = Budget(cfg.max_L, cfg.calibration_decodes, cfg.budget_feedback)
+        # Budget mode's (K, L) per layer and request (used when a step's settings carry a target)
+        self.budget = Budget(cfg.max_L, cfg.calibration_decodes)
         self.stats.add_section("budget", self.budget.snapshot, self.budget.reset_counters, self.budget.summary)
         # Layer observers: ``before_decode(ctx, kv, plan)`` runs before every sparse layer's decode
         # (also when the platform kernel serves it), ``after_decode(ctx, query, kv, plan, out,

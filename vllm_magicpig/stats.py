@@ -22,9 +22,8 @@ EXACT_METHOD = "decode_method_exact"
 EXACT_NOT_MIRRORED = "not_mirrored"
 # this worker's timings predict that sampling the context would be slower than exact attention
 EXACT_SAMPLING_SLOWER = "sampling_slower"
-EXACT_CALIBRATING = "calibrating"  # budget mode: the layer is still learning its (K, L)
 EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
-                 EXACT_SAMPLING_SLOWER, EXACT_CALIBRATING)
+                 EXACT_SAMPLING_SLOWER)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 

@@ -4,11 +4,12 @@ attention, TopK and Quest, all through one vLLM engine with the MAGICPIG backend
     python -m vllm_magicpig.eval.harness --smoke          # CI: minutes
     python -m vllm_magicpig.eval.harness                  # full: contexts 4K and 8K
 
-One prefill serves every method of a prompt: prefix caching stays on and the decode
-method is switched between ``generate`` calls with the evaluation-only RPC
-``magicpig_set_eval`` (see ``vllm_magicpig.eval.decode.settings``). Cost = the measured fraction of
-indexed (non-dense) keys attended, read from the worker's counters. TopK and Quest
-run at MAGICPIG (10,150)'s measured cost on the same prompts (matched budget).
+One prefill serves every method of a prompt: the methods run task by task on the same
+prompts, prefix caching stays on, and the decode method is switched between ``generate``
+calls with the evaluation-only RPC ``magicpig_set_eval`` (see
+``vllm_magicpig.eval.decode.settings``). Cost = the measured fraction of indexed (non-dense)
+keys attended, read from the worker's counters (a method's cost is the mean over tasks). TopK
+and Quest run at MAGICPIG (10,150)'s measured cost on the same task's prompts (matched budget).
 """
 from __future__ import annotations
 
@@ -140,32 +141,33 @@ def run_tasks(llm, tokenizer, contexts, task_names, num_samples, seed, method_li
         # the prompt and its answer must fit the model's window: "8192" means an 8192-token
         # window, i.e. prompts of 8192 - ANSWER_HEADROOM tokens
         prompt_tokens = min(ctx, MAX_MODEL_LEN - ANSWER_HEADROOM)
-        samples = [s for t in task_names for s in T.generate(t, num_samples, prompt_tokens, tokenizer, seed=seed)]
-        prompts = [T.format_for_model(s, tokenizer, use_chat_template=False) for s in samples]
-        max_tokens = [s.max_new_tokens for s in samples]
-        matched_cost = None
-        for m in method_list:
-            if m.first_context_only and ctx != first_context:
-                continue
-            settings = dict(m.settings)
-            if m.family in ("topk", "quest"):
-                if matched_cost is None:
+        # Task by task, every method on the same prompts: one task's prompts fit the KV cache, so
+        # prefix caching prefills each prompt once for all methods.
+        for task in task_names:
+            samples = T.generate(task, num_samples, prompt_tokens, tokenizer, seed=seed)
+            prompts = [T.format_for_model(s, tokenizer, use_chat_template=False) for s in samples]
+            max_tokens = [s.max_new_tokens for s in samples]
+            matched_cost = None  # magicpig(10,150)'s measured cost on these prompts
+            for m in method_list:
+                if m.first_context_only and ctx != first_context:
                     continue
-                settings["budget_fraction"] = min(1.0, max(matched_cost, 1e-3) * m.budget_scale)
-            t0 = time.perf_counter()
-            preds, st = _run_method(llm, m, settings, prompts, max_tokens)
-            cost = 1.0 if m.family == "full" else st["sampled_fraction"]
-            if m.name == f"magicpig{DEFAULT_KL}".replace(" ", ""):
-                matched_cost = cost
-            for task in task_names:
-                idx = [i for i, s in enumerate(samples) if s.task == task or T.resolve_task(s.task)[0] == task]
-                sc = [T.score(samples[i].task, preds[i], samples[i].answers) for i in idx]
+                settings = dict(m.settings)
+                if m.family in ("topk", "quest"):
+                    if matched_cost is None:
+                        continue
+                    settings["budget_fraction"] = min(1.0, max(matched_cost, 1e-3) * m.budget_scale)
+                t0 = time.perf_counter()
+                preds, st = _run_method(llm, m, settings, prompts, max_tokens)
+                cost = 1.0 if m.family == "full" else st["sampled_fraction"]
+                if m.name == f"magicpig{DEFAULT_KL}".replace(" ", ""):
+                    matched_cost = cost
+                sc = [T.score(s.task, p, s.answers) for s, p in zip(samples, preds)]
                 rows.append(Row(m.name, m.family, ctx, task, 100.0 * sum(sc) / max(1, len(sc)), cost, len(sc),
                                 {"decode_sparse": st["decode_sparse"], "decode_by_method": st["decode_by_method"],
                                  "decode_exact": st["decode_exact"], "scores": [100.0 * x for x in sc]}))
-            log(f"[{ctx}] {m.name:28s} cost={'n/a' if cost is None else f'{cost:.3%}'} "
-                f"avg={sum(r.score for r in rows[-len(task_names):]) / len(task_names):.1f} "
-                f"evicted={st['decode_exact'].get('evicted', 0)} ({time.perf_counter() - t0:.0f}s)")
+                log(f"[{ctx}] {task:16s} {m.name:28s} cost={'n/a' if cost is None else f'{cost:.3%}'} "
+                    f"score={rows[-1].score:.1f} evicted={st['decode_exact'].get('evicted', 0)} "
+                    f"({time.perf_counter() - t0:.0f}s)")
     llm.collective_rpc("magicpig_set_eval")
     return rows
 
@@ -276,7 +278,8 @@ def write_outputs(rows: list[Row], fid: list[dict], out: Path, config: dict, inh
             rs = {r.task: r for r in rows if r.method == name and r.context == ctx}
             if not rs:
                 continue
-            cost = next(iter(rs.values())).cost
+            costs = [r.cost for r in rs.values() if r.cost is not None]
+            cost = sum(costs) / len(costs) if costs else None  # the mean of the tasks' measured fractions
             avg = sum(r.score for r in rs.values()) / len(rs)
             summary.append(dict(method=name, family=next(iter(rs.values())).family, context=ctx, cost=cost, avg=avg))
             lines.append(f"| {name} | {ctx} | {'-' if cost is None else f'{cost:.2%}'} | "
