@@ -3,6 +3,8 @@ scores over prompts with a 95% interval, and paired differences against full att
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,22 @@ def test_confidence_table_reports_intervals_and_the_2_point_verdict():
 def test_confidence_table_skips_rows_without_per_prompt_scores():
     rows = _rows("full", 4096, {"niah": [100.0, 0.0]}, with_scores=False)
     assert harness.confidence_table(rows) == ([], {})
+
+
+def test_outputs_pair_magicpig_against_topk_and_average_the_tasks_costs(tmp_path):
+    """The report adds MAGICPIG's paired difference against TopK (no 2-point verdict there), and a
+    method's cost is the mean of its tasks' measured fractions (methods run task by task)."""
+    full = {"niah": [100.0] * 10, "vt": [100.0, 0.0] * 5}
+    mp = {"niah": [100.0] * 9 + [0.0], "vt": [100.0, 0.0] * 5}
+    topk = {"niah": [0.0] * 10, "vt": [0.0] * 10}
+    rows = _rows("full", 4096, full) + _rows("magicpig(10,150)", 4096, mp)
+    rows[2].cost, rows[3].cost = 0.02, 0.04
+    rows += [harness.Row("topk", "topk", 4096, t, 0.0, 0.03, 10, {"scores": s}) for t, s in topk.items()]
+    text = harness.write_outputs(rows, [], tmp_path / "acc", {"command": "test"})
+    assert "paired difference against topk" in text
+    vs_topk = text[text.index("difference vs topk"):]
+    assert "| magicpig(10,150) | 4096 | 20 | " in vs_topk and "within 2 points" not in vs_topk.splitlines()[0]
+    summary = {s["method"]: s for s in json.loads((tmp_path / "acc.json").read_text())["summary"]}
+    assert summary["magicpig(10,150)"]["cost"] == pytest.approx(0.03)
+    assert summary["magicpig(10,150)"]["diff_vs_topk"] == pytest.approx(70.0)  # task means 90 and 50 vs 0
+    assert "diff_vs_topk" not in summary["full"]  # full attention is not in the TopK comparison

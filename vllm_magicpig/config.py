@@ -262,8 +262,8 @@ def _check_budget(cfg: MagicPigConfig) -> None:
         if explicit:
             keys = " and ".join(repr(k) for k in explicit)
             raise MagicPigConfigError(
-                f"magicpig config: 'target_cost' chooses K and L per layer, so it cannot be combined with {keys}; "
-                f"drop {keys} (or drop 'target_cost' to set K and L by hand)"
+                f"magicpig config: 'target_cost' chooses K and L per layer and request, so it cannot be combined "
+                f"with {keys}; drop {keys} (or drop 'target_cost' to set K and L by hand)"
             )
         if cfg.decode_method != decode_methods.MAGICPIG:
             raise MagicPigConfigError(
