@@ -382,6 +382,8 @@ def _plot(summary: list[dict], path: Path) -> None:
             marker, colour = style.get(s["family"], ("x", "grey"))
             if "centre" in s["method"]:
                 colour = "tab:purple"
+            if s["method"].startswith("budget("):
+                marker, colour = "D", "tab:orange"
             x = max(s["cost"], 1e-3) * 100
             ax.scatter(x, s["avg"], marker=marker, color=colour, s=70)
             if s.get("avg_ci"):  # bootstrap interval over prompts
