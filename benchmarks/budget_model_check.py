@@ -39,22 +39,15 @@ class ModelVsKernel:
         pass
 
     def after_decode(self, ctx, q, kv, plan, out, result) -> None:
-        import torch
-
-        from vllm_magicpig import budget, decode_methods
-        from vllm_magicpig.kv_layout import gather, request_blocks
+        from vllm_magicpig import budget
+        from vllm_magicpig.layer import request_angles
 
         if len(result.served) != 1:  # the kernel reports one sampled count per call: one request at a time
             return
         (r,) = result.served
-        st = ctx.settings
-        lo, hi = plan.covered_range(r)
-        keys = gather(kv.key, request_blocks(plan.block_table, r, hi, kv.block_size), lo, hi).to(torch.float32)
-        centring = decode_methods.get_centring(st.centering)
-        centre = ctx.runtime.index.centre(ctx.name, plan.centres[r], lambda s: centring(ctx, s, kv))
-        hist = budget.angle_histogram(q[r], keys - centre.to(torch.float32))
-        self.rows.append((ctx.name, budget.expected_fraction(hist, st.K, st.L),
-                          result.sampled / ((hi - lo) * ctx.num_heads)))
+        hist = request_angles(ctx, q, kv, plan, r)
+        self.rows.append((ctx.name, budget.expected_fraction(hist, ctx.settings.K, ctx.settings.L),
+                          result.sampled / (plan.covered[r] * ctx.num_heads)))
 
 
 def main() -> None:

@@ -362,3 +362,11 @@ def test_without_a_target_nothing_changes():
     assert StepSettings.from_config(rt.cfg).target_cost is None
     assert "budget" not in rt.stats.summary_line()
     assert rt.stats.snapshot()["budget"]["layers"] == {}
+
+
+def test_clearing_the_index_forgets_the_requests_choices():
+    g, rt, layer, planner, cache, bt, Us, seq = _layer_setup(calibration_decodes=1)
+    _step(g, layer, planner, cache, bt, Us, seq, StepSettings.from_config(rt.cfg))
+    assert rt.budget.snapshot()["budget"]["requests_tracked"] == 1
+    rt.clear_index()
+    assert rt.budget.snapshot()["budget"]["requests_tracked"] == 0

@@ -169,3 +169,10 @@ def test_clear_keeps_the_counters(store):
     store.clear()
     assert len(store) == 0 and store.find_centre([1, 2]) is None
     assert store.stats.index["segments_built"] == 1 and store.stats.index["segments_live"] == 0
+
+
+def test_centre_ids_are_never_reused_after_a_clear(store):
+    """Budget mode keys each request's (K, L) by its centre id: a prompt after a clear must get a new id."""
+    first = store.new_centre((1, 2), 4, 256)
+    store.clear()
+    assert store.new_centre((3, 4), 4, 256).cid > first.cid

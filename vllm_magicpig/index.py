@@ -307,7 +307,11 @@ class IndexStore:
         self.stats.index["segments_live"] = len(self._segments)
 
     def clear(self) -> None:
+        # Centre ids stay unique for the worker's life: state outside the index is keyed by them
+        # (budget mode's per-request choices), so a new prompt must never reuse a cleared one's id.
+        next_cid = self._next_cid
         self.__init__(self.stats, self.grow_step)
+        self._next_cid = next_cid
         self._publish()
 
     def __len__(self) -> int:

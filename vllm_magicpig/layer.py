@@ -85,17 +85,9 @@ class SparseLayer:
     def _request_choice(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, r: int) -> Choice:
         """Request r's (K, L) in this layer (``Budget.request_choice``); its angles, when needed, are
         between this decode's query heads and the request's indexed keys, centred as the index does."""
-        ctx, spec = self.ctx, plan.centres[r]
-        centring = decode_methods.get_centring(plan.settings.centering)
-
-        def angles() -> torch.Tensor:
-            lo, hi = plan.covered_range(r)
-            keys = gather(kv.key, request_blocks(plan.block_table, r, hi, kv.block_size), lo, hi)
-            centre = ctx.runtime.index.centre(ctx.name, spec, lambda s: centring(ctx, s, kv))
-            return angle_histogram(q[r], keys.to(torch.float32) - centre.to(device=keys.device, dtype=torch.float32))
-
-        return ctx.runtime.budget.request_choice(ctx.name, spec.cid, plan.settings.target_cost, plan.covered[r],
-                                                 angles)
+        ctx = self.ctx
+        return ctx.runtime.budget.request_choice(ctx.name, plan.centres[r].cid, plan.settings.target_cost,
+                                                 plan.covered[r], lambda: request_angles(ctx, q, kv, plan, r))
 
     # ------------------------------------------------------------------ accounting
     def account_exact(self, plan: DecodePlan) -> None:
@@ -116,6 +108,16 @@ class SparseLayer:
             if budget_applies(plan.settings):
                 self.ctx.runtime.budget.add_sampled(plan.settings.target_cost, self.ctx.name, result.sampled,
                                                     candidates)
+
+
+def request_angles(ctx: LayerContext, q: torch.Tensor, kv: KVViews, plan: DecodePlan, r: int) -> torch.Tensor:
+    """The angle histogram (``budget.angle_histogram``) between request r's query heads and its
+    indexed keys, centred as the index centres them."""
+    lo, hi = plan.covered_range(r)
+    keys = gather(kv.key, request_blocks(plan.block_table, r, hi, kv.block_size), lo, hi)
+    centring = decode_methods.get_centring(ctx.settings.centering)
+    centre = ctx.runtime.index.centre(ctx.name, plan.centres[r], lambda s: centring(ctx, s, kv))
+    return angle_histogram(q[r], keys.to(torch.float32) - centre.to(device=keys.device, dtype=torch.float32))
 
 
 def sub_plan(plan: DecodePlan, rows: list[int]) -> DecodePlan:

@@ -89,6 +89,7 @@ class MagicPigRuntime:
 
     def clear_index(self) -> None:
         self.index.clear()
+        self.budget.forget()  # its choices belong to centres that no longer exist
 
 
 _lock = threading.Lock()
