@@ -4,6 +4,7 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
 
 #include "common.h"
 
@@ -36,18 +37,57 @@ void hash_rows_scalar(const float* x, int T, int d, const float* w, int K, int L
 }
 
 #if defined(__x86_64__)
-// 4 rows at a time share each W load; columns in chunks of 16 (masked tail).
+// Codes straight from the sign masks: bit c of a row (word c / 16, bit c % 16, little-endian) is
+// column c = l * K + j, so table l's code is the K bits from bit l * K; K <= 16 and a shift of at
+// most 7 fit one unaligned 32-bit read. ``m`` must have 4 readable bytes past bit C - 1.
+inline void pack_from_masks(const uint16_t* m, int K, int L, uint16_t* codes) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(m);
+  const uint32_t keep = (1u << K) - 1;
+  for (int l = 0; l < L; ++l) {
+    const int bit = l * K;
+    uint32_t v;
+    std::memcpy(&v, bytes + bit / 8, sizeof v);
+    codes[l] = static_cast<uint16_t>((v >> (bit % 8)) & keep);
+  }
+}
+
+// 4 rows x 64 columns per tile: 16 accumulators, so each step of the d loop loads 4 W vectors and
+// broadcasts 4 x values for 16 FMAs (the load ports, not the FMA units, bounded a 4 x 16 tile);
+// columns left over go 16 at a time (masked tail). The signs are kept as 16-bit masks, and the
+// codes cut from them (pack_from_masks) without a byte per bit.
 #define MP_HASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
-  const int C = K * L;
-  std::vector<uint8_t> bits(static_cast<size_t>(4) * C);
+  const int C = K * L, stride = (C + 15) / 16 + 2;  // + 2 words: pack_from_masks reads 4 bytes
+  std::vector<uint16_t> masks(static_cast<size_t>(4) * stride, 0);
+  const __m512 z = _mm512_setzero_ps();
   for (int t0 = 0; t0 < T; t0 += 4) {
     const int nt = std::min(4, T - t0);
     const float* xr[4];
     for (int r = 0; r < 4; ++r) xr[r] = x + static_cast<size_t>(t0 + std::min(r, nt - 1)) * d;
-    for (int c0 = 0; c0 < C; c0 += 16) {
+    int c0 = 0;
+    for (; c0 + 64 <= C; c0 += 64) {
+      __m512 acc[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int k = 0; k < 4; ++k) acc[r][k] = z;
+      for (int i = 0; i < d; ++i) {
+        const float* wi = w + static_cast<size_t>(i) * C + c0;
+        const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16), w2 = _mm512_loadu_ps(wi + 32),
+                     w3 = _mm512_loadu_ps(wi + 48);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 xb = _mm512_set1_ps(xr[r][i]);
+          acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+          acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+          acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int k = 0; k < 4; ++k)
+          masks[static_cast<size_t>(r) * stride + c0 / 16 + k] = _mm512_cmp_ps_mask(acc[r][k], z, _CMP_GT_OQ);
+    }
+    for (; c0 < C; c0 += 16) {
       const __mmask16 m = (C - c0 >= 16) ? 0xffff : static_cast<__mmask16>((1u << (C - c0)) - 1);
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      __m512 a0 = z, a1 = z, a2 = z, a3 = z;
       for (int i = 0; i < d; ++i) {
         const __m512 wv = _mm512_maskz_loadu_ps(m, w + static_cast<size_t>(i) * C + c0);
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(xr[0][i]), wv, a0);
@@ -55,15 +95,14 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
         a2 = _mm512_fmadd_ps(_mm512_set1_ps(xr[2][i]), wv, a2);
         a3 = _mm512_fmadd_ps(_mm512_set1_ps(xr[3][i]), wv, a3);
       }
-      const __m512 z = _mm512_setzero_ps();
-      const __mmask16 s[4] = {_mm512_cmp_ps_mask(a0, z, _CMP_GT_OQ), _mm512_cmp_ps_mask(a1, z, _CMP_GT_OQ),
-                              _mm512_cmp_ps_mask(a2, z, _CMP_GT_OQ), _mm512_cmp_ps_mask(a3, z, _CMP_GT_OQ)};
-      const int nc = std::min(16, C - c0);
-      for (int r = 0; r < nt; ++r)
-        for (int j = 0; j < nc; ++j) bits[static_cast<size_t>(r) * C + c0 + j] = (s[r] >> j) & 1;
+      const int word = c0 / 16;  // masked-off lanes summed zeros: their bits are 0 and never read
+      masks[word] = _mm512_cmp_ps_mask(a0, z, _CMP_GT_OQ);
+      masks[stride + word] = _mm512_cmp_ps_mask(a1, z, _CMP_GT_OQ);
+      masks[2 * static_cast<size_t>(stride) + word] = _mm512_cmp_ps_mask(a2, z, _CMP_GT_OQ);
+      masks[3 * static_cast<size_t>(stride) + word] = _mm512_cmp_ps_mask(a3, z, _CMP_GT_OQ);
     }
     for (int r = 0; r < nt; ++r)
-      pack_codes(bits.data() + static_cast<size_t>(r) * C, K, L, codes + static_cast<size_t>(t0 + r) * L);
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * L);
   }
 }
 #endif

@@ -1,0 +1,66 @@
+"""The end-to-end decode benchmark's arithmetic (benchmarks/e2e_decode.py), without an engine:
+decode is timed as a difference that cancels the per-request prefill, and the table and plot
+read the rows it writes."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import e2e_decode  # noqa: E402
+
+
+class _FakeLLM:
+    """generate() advances a fake clock by a fixed per-request cost plus a per-token cost: what a
+    prefix-cache hit does (recompute the last block, then decode). No real time is measured."""
+
+    def __init__(self, fixed_s: float, per_token_s: float):
+        self.fixed_s, self.per_token_s, self.now = fixed_s, per_token_s, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        self.now += self.fixed_s + sp.max_tokens * self.per_token_s
+
+
+def test_decode_difference_cancels_the_per_request_prefill(monkeypatch):
+    pytest.importorskip("vllm")
+    llm = _FakeLLM(fixed_s=0.2, per_token_s=0.004)
+    monkeypatch.setattr(e2e_decode.time, "perf_counter", llm.clock)
+    decode_s, request_s = e2e_decode.decode_seconds(llm, ["p"], decode_tokens=25, reps=2)
+    assert decode_s == pytest.approx(25 * 0.004)  # the 0.2 s per request is gone
+    assert request_s == pytest.approx(0.2 + (e2e_decode.SHORT_TOKENS + 25) * 0.004)
+
+
+def _rows():
+    rows = []
+    for backend, tps in (("CPU_ATTN", 10.0), ("MAGICPIG", 15.0)):
+        for ctx in (4096, 16384):
+            for b in (1, 4):
+                r = dict(backend=backend, threads="default", context=ctx, batch=b, prefill_s=40.0,
+                         tok_per_s=tps * b * (4096 / ctx), ms_per_step=100.0, kv_bytes_per_token=23040)
+                if backend == "MAGICPIG":
+                    r.update(sampled_fraction=0.025, bytes_per_token=30000, index_build_s=1.0)
+                rows.append(r)
+    return rows
+
+
+def test_table_gives_ratio_fraction_bytes_and_build_share():
+    lines = e2e_decode.table_lines(_rows(), decode_tokens=32, cold_tokens=0)
+    row = next(line for line in lines if line.startswith("| default | 16384 | 4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5] == "1.50x" and cells[6] == "2.50%"
+    assert cells[8] == "30000 / 23040"
+    # 4 prompts prefilled in 40 s: 10 s each; the batch of 4 waited 1 s for its index: 2.5%
+    assert cells[10] == "2.5%"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "speed.png"
+    e2e_decode.plot(_rows(), path, "test shape")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
