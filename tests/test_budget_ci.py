@@ -110,3 +110,15 @@ def test_outputs_pair_magicpig_against_topk_and_average_the_tasks_costs(tmp_path
     assert summary["magicpig(10,150)"]["cost"] == pytest.approx(0.03)
     assert summary["magicpig(10,150)"]["diff_vs_topk"] == pytest.approx(70.0)  # task means 90 and 50 vs 0
     assert "diff_vs_topk" not in summary["full"]  # full attention is not in the TopK comparison
+
+
+def test_merge_replaces_rows_of_a_rerun(tmp_path):
+    """Merging a rerun of some methods: its rows replace the earlier run's rows of the same method,
+    context and task; the other rows stay."""
+    first = _rows("full", 4096, {"niah": [100.0] * 10}) + _rows("budget(2%)", 4096, {"niah": [0.0] * 10})
+    rerun = _rows("budget(2%)", 4096, {"niah": [100.0] * 9 + [0.0]})
+    harness.write_outputs(first, [], tmp_path / "first", {"command": "first", "contexts": [4096]})
+    harness.write_outputs(rerun, [], tmp_path / "rerun", {"command": "rerun", "contexts": [4096]})
+    harness.merge_results([tmp_path / "first.json", tmp_path / "rerun.json"], tmp_path / "merged")
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert sorted((r["method"], r["score"]) for r in merged["rows"]) == [("budget(2%)", 90.0), ("full", 100.0)]

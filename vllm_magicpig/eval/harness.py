@@ -403,9 +403,15 @@ def _plot(summary: list[dict], path: Path) -> None:
 
 
 def merge_results(paths: list[Path], out: Path) -> str:
-    """Combine result JSONs of runs over different contexts (e.g. two engines side by side)."""
+    """Combine result JSONs of runs over different contexts (e.g. two engines side by side), or a
+    rerun of some methods: a (method, context, task) row of a later file replaces an earlier one
+    (the rerun must use the same --seed and --samples, so its prompts are the same)."""
     parts = [json.loads(p.read_text()) for p in paths]
-    rows = [Row(**r) for p in parts for r in p["rows"]]
+    by_key = {}
+    for p in parts:
+        for r in p["rows"]:
+            by_key[(r["method"], r["context"], r["task"])] = Row(**r)
+    rows = list(by_key.values())
     config = dict(parts[0]["config"], command=" && ".join(p["config"]["command"] for p in parts),
                   contexts=sorted({c for p in parts for c in p["config"]["contexts"]}),
                   calibration=[p["config"].get("calibration") for p in parts])
