@@ -69,7 +69,7 @@ def main() -> None:
     t_start = time.perf_counter()
     llm = LLM(model=str(prepare_smollm2()), attention_backend="MAGICPIG", enforce_eager=True, max_model_len=8192,
               seed=0, additional_config={"magicpig": {"K": args.K, "L": args.L, "cost_model": False,
-                                                      "log_stats_interval": 0}})
+                                                      "background_index": False, "log_stats_interval": 0}})
     observer = ModelVsKernel()
     runtime.current().observers.append(observer)
     tok = llm.get_tokenizer()

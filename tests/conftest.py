@@ -33,8 +33,10 @@ def make_llm(model_path: str, backend: str = "MAGICPIG", magicpig: dict | None =
     )
     if magicpig is not None:
         # These tests check the sampled path at contexts where, on this machine, sampling may be
-        # slower than exact attention: keep the cost model from serving them exactly.
-        args["additional_config"] = {"magicpig": {"cost_model": False, **magicpig}}
+        # slower than exact attention: keep the cost model from serving them exactly. They count
+        # sampled decodes from the first one: the background indexer (timing-dependent exact first
+        # decodes) is off unless a test turns it on (test_background_index.py).
+        args["additional_config"] = {"magicpig": {"cost_model": False, "background_index": False, **magicpig}}
     args.update(kwargs)
     return LLM(**args)
 

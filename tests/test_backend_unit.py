@@ -156,6 +156,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def harness(vllm_env, spec, num_blocks=None, **magicpig) -> Harness:
+    # These cases decode without a prefill step first; test_background_index.py covers the indexer.
+    magicpig.setdefault("background_index", False)
     return Harness(vllm_env(**magicpig), spec, torch.Generator().manual_seed(SEED), num_blocks)
 
 

@@ -48,6 +48,7 @@ DENSE_LAYERS = [0]
 SPARSE_LAYERS = {f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS) if i not in DENSE_LAYERS}
 NEAR_EXACT = {"K": 1, "L": 64}
 MAGICPIG = {
+    "background_index": False,  # every decode counted as sampled from the first one
     "min_sparse_context": 256,
     "segment_tokens": 128,
     "dense_layers": DENSE_LAYERS,

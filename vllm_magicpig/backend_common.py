@@ -127,7 +127,7 @@ class MagicPigBuilderMixin:
             raise MagicPigConfigError("MAGICPIG does not support speculative decoding; drop --speculative-config")
         self.runtime = runtimes.attach(vllm_config, make_runtime)
         self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index, self.runtime.mirror,
-                                   self.runtime.cost)
+                                   self.runtime.cost, self.runtime.indexer)
 
     def host_view(self, cam, num_reqs: int):
         """The CPU tensors the planner reads (the platform's metadata may live on a device)."""
@@ -204,6 +204,7 @@ class MagicPigImplMixin:
         # layer's name and the runtime on the metadata).
         self.layer_index: int | None = None
         self.sparse_layer: SparseLayer | None = None
+        self._registered_cache: torch.Tensor | None = None
 
     def _resolve_layer(self, layer, rt: MagicPigRuntime) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -223,6 +224,10 @@ class MagicPigImplMixin:
         if self.layer_index is None:
             self._resolve_layer(layer, meta.runtime)
         meta.runtime.stats.count_layer(layer.layer_name)
+        if self.sparse_layer is not None and kv_cache is not self._registered_cache:
+            # the background indexer reads this layer's cache (the tensor is the worker's for life)
+            meta.runtime.indexer.register_layer(self.sparse_layer.ctx, meta.runtime.layout.views(kv_cache))
+            self._registered_cache = kv_cache
         if self.sparse_layer is not None and meta.runtime.mirror is not None:
             # The step's KV is written (vLLM's KV update runs before attention): mirror what completed.
             meta.runtime.mirror.copy_layer(layer.layer_name, meta.runtime.layout.views(kv_cache))

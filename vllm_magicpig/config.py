@@ -72,6 +72,10 @@ class MagicPigConfig:
     """Serve a decode exactly when this worker's own timings predict that sampling its context
     would be slower than exact attention (stats: ``sampling_slower``; see ``cost_model.py``).
     false: sample every request past ``min_sparse_context``."""
+    background_index: bool = True
+    """Index a new prompt on a background thread (``background_index.py``): its first decodes are
+    served exactly (stats: ``indexing``) instead of waiting for the index. false: build at the
+    first decode. Budget mode and accelerator platforms build at the first decode either way."""
     cpu_threads: int = 0
     """Threads of the host kernel when the KV cache is on a GPU (vLLM runs CUDA workers' torch on
     one thread); 0 = OMP_NUM_THREADS if set, else the worker's CPU affinity shared among the
@@ -239,7 +243,7 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
         elif key == "target_cost":
             values[key] = None if value is None else check_target_cost(value)
-        elif key in ("inherit_centre", "cost_model"):
+        elif key in ("inherit_centre", "cost_model", "background_index"):
             if not isinstance(value, bool):
                 raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value

@@ -139,6 +139,18 @@ class IndexStore:
             c = self._centre_tensors[(layer, spec.cid)] = compute(spec)
         return c
 
+    def has_centre(self, cid: int) -> bool:
+        """Whether centre ``cid`` is still registered (not invalidated nor cleared)."""
+        return cid in self._centre_specs
+
+    def set_centre(self, layer: str, spec: CentreSpec, centre: torch.Tensor) -> None:
+        """The layer's centre tensor of ``spec``, computed elsewhere (the background indexer)."""
+        self._centre_tensors.setdefault((layer, spec.cid), centre)
+
+    def holds_centre_segments(self, cid: int) -> bool:
+        """Whether any layer holds a segment built on centre ``cid``."""
+        return bool(self._keys_by_cid.get(cid))
+
     def _drop_centre(self, cid: int) -> None:
         spec = self._centre_specs.pop(cid, None)
         if spec is None:
@@ -193,6 +205,13 @@ class IndexStore:
                 self.drop_segment(layer, base_key)
             return self._store(layer, ref, seg, cap_bytes)
         return self._store(layer, ref, self._build(build, ref), cap_bytes)
+
+    def install(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None = None) -> Segment | None:
+        """Store a segment built elsewhere (the background indexer), counted as built; under the
+        cap as :meth:`get_or_build` stores (None: no room, not kept)."""
+        self.stats.index["segments_built"] += 1
+        self.stats.index["tokens_indexed"] += ref.num_tokens
+        return self._store(layer, ref, seg, cap_bytes)
 
     def _store(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None) -> Segment | None:
         if cap_bytes is not None and not self.enforce_cap(cap_bytes - seg.index_bytes - seg.mirror_bytes):

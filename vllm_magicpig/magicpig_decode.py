@@ -26,6 +26,14 @@ def request_centre(ctx: LayerContext, spec: CentreSpec, kv: KVViews) -> torch.Te
     return gather(kv.key, spec.blocks, spec.start, spec.end).to(torch.float32).mean(dim=0).contiguous()
 
 
+def build_segment_from_cache(ops, kv: KVViews, ref: SegmentRef, centre: torch.Tensor, projection: torch.Tensor,
+                             K: int, L: int):
+    """The segment ``ref`` plans, built from the layer's paged KV cache (``kv``)."""
+    _, start, size, blocks = ref.key
+    lo, hi = ref.first_token - start, size  # offsets inside the block run
+    return ops.build_segment(gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi), centre, projection, K, L)
+
+
 def no_centre(ctx: LayerContext, spec: CentreSpec, kv: KVViews) -> torch.Tensor:
     return torch.zeros(ctx.num_kv_heads, ctx.head_size, dtype=torch.float32)
 
@@ -78,12 +86,7 @@ class MagicPigDecode:
         centring = decode_methods.get_centring(st.centering)
 
         def make_build(centre):
-            def build(ref: SegmentRef):
-                _, start, size, blocks = ref.key
-                lo, hi = ref.first_token - start, size  # offsets inside the block run
-                return ops.build_segment(gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi), centre,
-                                         ctx.projection, st.K, st.L)
-            return build
+            return lambda ref: build_segment_from_cache(ops, kv, ref, centre, ctx.projection, st.K, st.L)
 
         segments, served_centres, dense, result = index_sparse_requests(
             ctx, plan, lambda spec: centring(ctx, spec, kv), make_build)

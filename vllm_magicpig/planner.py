@@ -19,7 +19,13 @@ from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import EXACT
 from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
-from vllm_magicpig.stats import EXACT_METHOD, EXACT_NOT_MIRRORED, EXACT_SAMPLING_SLOWER, EXACT_SHORT_CONTEXT
+from vllm_magicpig.stats import (
+    EXACT_INDEXING,
+    EXACT_METHOD,
+    EXACT_NOT_MIRRORED,
+    EXACT_SAMPLING_SLOWER,
+    EXACT_SHORT_CONTEXT,
+)
 
 
 @dataclass(frozen=True)
@@ -121,12 +127,14 @@ class StepPlanner:
     """Layer-independent decisions, made once per engine step in the metadata builder."""
 
     def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore, mirror: Any = None,
-                 cost: Any = None) -> None:
+                 cost: Any = None, indexer: Any = None) -> None:
         """``mirror``: the host mirror of a device KV cache (``host_mirror.HostMirror``), on platforms
         whose cache is not in host memory; only mirrored blocks are covered by segments.
         ``cost``: the worker's ``cost_model.DecodeCostModel``; requests it predicts would sample
-        slower than exact attention are served exactly."""
+        slower than exact attention are served exactly. ``indexer``: the runtime's
+        ``background_index.BackgroundIndexer``; a new prompt is served exactly while it indexes it."""
         self.cfg = cfg
+        self.indexer = indexer
         self.block_size = block_size
         self.index = index
         self.mirror = mirror
@@ -146,6 +154,8 @@ class StepPlanner:
         if slots.numel():
             written = torch.unique(slots // self.block_size).tolist()
             self.index.on_blocks_written(written)
+        if self.indexer is not None:  # after the invalidations: a job over rewritten blocks is dropped
+            self.indexer.install_finished()
         if self.mirror is not None:  # blocks whose last slot is written now are complete
             last = slots[slots % self.block_size == self.block_size - 1]
             self.mirror.begin_step(written, torch.unique(last // self.block_size).tolist())
@@ -165,6 +175,7 @@ class StepPlanner:
         block_table = cam.block_table_tensor[:num_decodes]
         dense = torch.empty(num_decodes, 2, 2, dtype=torch.int32)
         plan = DecodePlan(settings, num_decodes, block_table, seq_lens, dense, [])
+        background = self.indexer is not None and self.indexer.applies(settings)
         for r, s in enumerate(seq_lens):
             dense[r, 0, 0], dense[r, 0, 1], dense[r, 1, 0], dense[r, 1, 1] = 0, s, s, s
             if settings.method == EXACT:
@@ -192,6 +203,9 @@ class StepPlanner:
             for start, size in segment_layout(covered_end, self.unit, self.largest):
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
+            if background and not self.indexer.ready(spec, refs, settings):
+                plan.exact_reason[r] = EXACT_INDEXING
+                continue
             plan.sparse.append(r)
             plan.centres[r] = spec
             plan.segments[r] = refs

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from vllm_magicpig import decode_methods, extensions
+from vllm_magicpig.background_index import BackgroundIndexer
 from vllm_magicpig.budget import Budget
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.cost_model import DecodeCostModel
 from vllm_magicpig.host_mirror import HostMirror
 from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
+from vllm_magicpig.magicpig_decode import build_segment_from_cache
 from vllm_magicpig.ops import CpuKernelOps, SparseDecodeOps
 from vllm_magicpig.planner import StepSettings
 from vllm_magicpig.stats import Stats
@@ -63,6 +65,11 @@ class MagicPigRuntime:
         # (also when the platform kernel serves it), ``after_decode(ctx, query, kv, plan, out,
         # result)`` after a decode through a registered method. Empty unless an extension needs them.
         self.observers: list[Any] = []
+        # A new prompt's index built on a background thread (its first decodes served exactly)
+        self.indexer = BackgroundIndexer(
+            self.index, self.ops, self.stats, self.cap_bytes, build_segment_from_cache, self.projection,
+            enabled=cfg.background_index and decode_methods.MAGICPIG not in self.methods)  # a platform's own
+        # MAGICPIG method (the split decode on CUDA) builds its own way, at the first decode
         self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
         extensions.load()
         self._config_settings = StepSettings.from_config(cfg)  # the config is immutable: once
@@ -90,6 +97,7 @@ class MagicPigRuntime:
     def clear_index(self) -> None:
         self.index.clear()
         self.budget.forget()  # its choices belong to centres that no longer exist
+        self.indexer.forget()
 
 
 _lock = threading.Lock()

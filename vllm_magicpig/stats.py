@@ -22,8 +22,10 @@ EXACT_METHOD = "decode_method_exact"
 EXACT_NOT_MIRRORED = "not_mirrored"
 # this worker's timings predict that sampling the context would be slower than exact attention
 EXACT_SAMPLING_SLOWER = "sampling_slower"
+# a new prompt's index is being built on the background thread (background_index.py)
+EXACT_INDEXING = "indexing"
 EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
-                 EXACT_SAMPLING_SLOWER)
+                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 

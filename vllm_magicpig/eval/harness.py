@@ -468,8 +468,9 @@ def main(argv=None) -> int:
 
     model = str(prepare_smollm2())
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
+              # the accuracy of sampling: every decode sampled (no cost model, no exact decodes while indexing)
               additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb,
-                                              "cost_model": False}},  # accuracy of sampling: never skip it
+                                              "cost_model": False, "background_index": False}},
               **FORCE_LLM_ARGS)
     tok = llm.get_tokenizer()
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])

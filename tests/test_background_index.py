@@ -1,0 +1,116 @@
+"""A new prompt's index built off the critical path (``background_index.py``).
+
+At the vLLM seam (the builder and impl of test_backend_unit, no engine): the first decode of a new
+prompt is served exactly by the platform kernel, with the reason ``indexing``, while a job builds its
+segments; a later step installs them and samples. A job over blocks rewritten meanwhile is dropped.
+Then end to end through vLLM: the counters show exact ``indexing`` decodes, then sampled ones from
+segments the background thread built.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_llm, stats
+from tests.test_backend_unit import HKV, SPARSE_LAYER, BatchSpec, D, harness, rel_err, vllm_env  # noqa: F401
+from vllm_magicpig import passkey
+
+
+def _prefilled(vllm_env, seq_lens, inline=True, **magicpig):  # noqa: F811
+    """A harness whose prompts went through a prefill step (so the sparse layer and its cache are
+    known, as in vLLM), now decoding."""
+    h = harness(vllm_env, BatchSpec(seq_lens, seq_lens), K=1, L=64, background_index=True, **magicpig)
+    h.runtime.indexer.run_inline = inline
+    h.step()  # the prefill step
+    h.spec = BatchSpec(seq_lens, [1] * len(seq_lens))
+    return h
+
+
+def test_first_decode_is_exact_while_indexing_then_sampled_from_the_installed_segments(vllm_env):  # noqa: F811
+    h = _prefilled(vllm_env, [3000, 2600])
+    out, ref, meta = h.step()
+    assert meta.sparse_plan.sparse == [] and meta.sparse_plan.exact_reason == {0: "indexing", 1: "indexing"}
+    assert torch.equal(out, ref)  # the platform kernel served the step
+    st = h.stats()
+    assert st["decode_exact"] == {"indexing": 2} and st["decode_sparse"] == 0, st
+    assert st["index"]["background_jobs"] == 2 and st["index"].get("segments_live", 0) == 0, st
+    out, ref, meta = h.step()  # the jobs' segments are installed before this step is planned
+    assert meta.sparse_plan.sparse == [0, 1]
+    st = h.stats()
+    assert st["decode_sparse"] == 2 and st["index"]["background_installed"] == 2, st
+    # the layer found them: nothing was built at the decode
+    assert st["index"]["segments_built"] == 2 and st["index"]["segments_live"] == 2, st
+    assert st["build_seconds"] > 0
+    for r in range(2):
+        assert rel_err(out[r], ref[r]) < 2e-2, r
+
+
+def test_installed_segments_equal_a_build_at_the_first_decode(vllm_env):  # noqa: F811
+    """The background job builds the very segments the layer would (same centre, keys, codes)."""
+    h = _prefilled(vllm_env, [3000])
+    h.step()
+    h.step()
+    sync = harness(vllm_env, BatchSpec([3000], [1]), K=1, L=64)  # background off; same seed, same cache
+    sync.step()
+    (key_bg, seg_bg), = [(k, s) for k, s in h.runtime.index._segments.items()]
+    (key_sync, seg_sync), = [(k, s) for k, s in sync.runtime.index._segments.items()]
+    assert key_bg[0] == key_sync[0] and key_bg[1][1:3] == key_sync[1][1:3]  # layer, (K, L); start, size
+    assert torch.equal(seg_bg.codes(), seg_sync.codes())
+
+
+def test_a_job_over_blocks_rewritten_meanwhile_is_dropped(vllm_env):  # noqa: F811
+    h = _prefilled(vllm_env, [3000])
+    h.step()  # submits; the (inline) job is done but not installed
+    # vLLM freed the request's blocks and another prompt's prefill rewrites them
+    h.keys[0] = (torch.randn(3000, HKV, D, generator=h.gen) - h.offset).bfloat16()
+    h.values[0] = torch.randn(3000, HKV, D, generator=h.gen).bfloat16()
+    h.spec = BatchSpec([3000], [3000])
+    h.step()
+    st = h.stats()
+    assert st["index"]["background_dropped"] == 1 and st["index"].get("segments_live", 0) == 0, st
+    h.spec = BatchSpec([3000], [1])
+    _, _, meta = h.step()  # the new prompt's first decode: indexed afresh
+    assert meta.sparse_plan.exact_reason == {0: "indexing"}
+    out, ref, meta = h.step()
+    assert meta.sparse_plan.sparse == [0]
+    assert rel_err(out[0], ref[0]) < 2e-2  # stale segments would attend the old keys
+
+
+def test_the_background_thread_builds_and_the_engine_thread_installs(vllm_env):  # noqa: F811
+    h = _prefilled(vllm_env, [3000], inline=False)
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {0: "indexing"}
+    assert h.runtime.indexer.wait_idle(timeout=120)
+    assert h.stats()["index"].get("segments_live", 0) == 0  # built, not installed: the engine thread installs
+    out, ref, meta = h.step()
+    assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
+    assert rel_err(out[0], ref[0]) < 2e-2
+
+
+def test_budget_mode_builds_at_the_first_decode(vllm_env):  # noqa: F811
+    """Budget mode chooses (K, L) from the first decode's query: no background job."""
+    h = harness(vllm_env, BatchSpec([3000], [3000]), background_index=True, target_cost=0.05)
+    h.step()
+    h.spec = BatchSpec([3000], [1])
+    _, _, meta = h.step()
+    assert meta.sparse_plan.sparse == [0]
+    assert h.stats()["index"].get("background_jobs", 0) == 0
+
+
+@pytest.mark.e2e
+def test_engine_serves_exactly_while_indexing_then_samples(model_path):
+    llm = make_llm(model_path, magicpig={"log_stats_interval": 0, "background_index": True})
+    tok = llm.get_tokenizer()
+    prompt = passkey.build(tok, 3000, seed=41, depth=0.5)
+    from vllm import SamplingParams
+
+    out = llm.generate([prompt.text], SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    st = stats(llm)
+    sparse_layers = 28
+    decodes = (len(out.token_ids) - 1) * sparse_layers
+    assert st["decode_exact"].get("indexing", 0) >= sparse_layers, st  # at least the first decode step
+    assert st["decode_sparse"] > 0 and st["index"]["background_installed"] == 1, st
+    assert st["decode_sparse"] + st["decode_exact"]["indexing"] == decodes, st
+    assert prompt.pass_key in out.text
+    del llm

@@ -1,0 +1,202 @@
+"""A new prompt's index built off the critical path, on one background thread.
+
+Why: indexing a long prompt (every key hashed into L tables, in every sparse layer) takes seconds
+(SmolLM2 at 16K tokens: several seconds on one core). Built at the request's first decode, it
+stalls the first decode token by that much. Instead, the first decode of a new prompt submits one
+job that builds the prompt's segments in every sparse layer, and the request is served exactly
+(stats: ``indexing``) until the job's segments are installed, at the start of a later step:
+tokens not yet indexed are attended exactly, so nothing is lost meanwhile.
+
+What goes to the background: the segments of a centre none of whose segments is held yet (a
+new prompt, or one whose index was evicted or invalidated). The growth of a held index as decoding
+fills blocks (``segment_tokens`` at a time, by merging) stays synchronous: it is small. Budget mode
+chooses (K, L) from the first decode's query, so it builds at the first decode, as does any decode
+method other than the CPU platform's MAGICPIG (``BackgroundIndexer.applies``).
+
+Thread safety: a job reads only the paged KV cache and what it was handed at submission (the
+layers' cache views, the centre spec, the projection); it returns new segments. The index is
+changed on the engine's thread only (:meth:`BackgroundIndexer.install_finished`). A job whose
+centre was invalidated meanwhile (vLLM freed and rewrote its blocks) is dropped unread, so a
+torn read of a block being rewritten is never used.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vllm_magicpig import decode_methods
+from vllm_magicpig.decode_methods import LayerContext
+from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef, segment_owner
+from vllm_magicpig.kv_layout import KVViews
+
+logger = logging.getLogger("vllm.magicpig")
+MAX_TRACKED = 1 << 15  # installed centres remembered (a forgotten one with no segments is indexed anew)
+
+
+@dataclass
+class LayerJob:
+    """One sparse layer's part of a job: where its cache is and how its segments are hashed."""
+
+    ctx: LayerContext
+    kv: KVViews
+    projection: torch.Tensor
+    K: int
+    L: int
+    centering: str
+
+
+@dataclass
+class IndexJob:
+    spec: CentreSpec
+    refs: list[SegmentRef]
+    layers: list[LayerJob]
+    threads: int
+    # filled by the background thread
+    built: list[tuple[str, tuple, torch.Tensor, list[tuple[SegmentRef, Any]]]] = field(default_factory=list)
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+class BackgroundIndexer:
+    """Runs index jobs on one daemon thread, and installs their segments on the engine's thread."""
+
+    def __init__(self, index: IndexStore, ops: Any, stats: Any, cap_bytes: int | None,
+                 build: Callable[..., Any], projection: Callable[[int, int, int], torch.Tensor], enabled: bool,
+                 run_inline: bool = False) -> None:
+        """``build(ops, kv, ref, centre, projection, K, L)`` builds one segment from the cache;
+        ``projection(head_dim, K, L)`` is the runtime's shared SimHash projection; ``enabled``: the
+        config's ``background_index`` on a platform whose MAGICPIG method is the CPU one.
+        ``run_inline``: run each job at submission, on the caller's thread (tests: deterministic);
+        its segments are still installed only at the next :meth:`install_finished`."""
+        self.index, self.ops, self.stats, self.cap_bytes = index, ops, stats, cap_bytes
+        self._build, self._projection, self.enabled = build, projection, enabled
+        self.run_inline = run_inline
+        self._pending: dict[int, IndexJob] = {}  # cid -> submitted, not installed
+        # cids whose prompt index was installed (or failed): the layers grow or rebuild it themselves
+        # (also when the cap refused it: then they serve it as ``evicted``). Least recent dropped.
+        self._installed: OrderedDict[int, None] = OrderedDict()
+        self._done: queue.Queue[IndexJob] = queue.Queue()
+        self._todo: queue.Queue[IndexJob | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.layers: dict[str, tuple[LayerContext, KVViews]] = {}  # sparse layers seen, and their cache views
+
+    # ------------------------------------------------------------------ engine thread
+    def register_layer(self, ctx: LayerContext, kv: KVViews) -> None:
+        """A sparse layer and its cache views (each forward: the views are cheap to refresh)."""
+        self.layers[ctx.name] = (ctx, kv)
+
+    def applies(self, settings: Any) -> bool:
+        """Whether requests under ``settings`` are indexed in the background (budget mode chooses
+        (K, L) from the first decode's query, so it builds then)."""
+        return self.enabled and settings.target_cost is None and settings.method == decode_methods.MAGICPIG
+
+    def ready(self, spec: CentreSpec, refs: list[SegmentRef], settings: Any) -> bool:
+        """True when the request can be sampled now; else its index is (now) being built."""
+        cid = spec.cid
+        if cid in self._installed:
+            self._installed.move_to_end(cid)
+            return True
+        if cid in self._pending:
+            return False
+        if self.index.holds_centre_segments(cid) or not self.layers:
+            return True  # built at a decode before (or no layer known yet): grown synchronously
+        K, L = settings.K, settings.L
+        layers = [LayerJob(ctx, kv, self._projection(ctx.head_size, K, L), K, L, settings.centering)
+                  for ctx, kv in self.layers.values()]
+        job = IndexJob(spec, list(refs), layers, torch.get_num_threads())
+        self._pending[cid] = job
+        self.stats.index["background_jobs"] += 1
+        if self.run_inline:
+            _run(job, self.ops, self._build)
+            self._done.put(job)
+        else:
+            self._start()
+            self._todo.put(job)
+        return False
+
+    def install_finished(self) -> None:
+        """Install the segments of finished jobs (call after the step's invalidations)."""
+        while True:
+            try:
+                job = self._done.get_nowait()
+            except queue.Empty:
+                return
+            cid = job.spec.cid
+            if self._pending.get(cid) is not job:
+                continue  # forgotten meanwhile (clear)
+            del self._pending[cid]
+            self.stats.build_seconds += job.seconds
+            if job.error is not None:
+                logger.warning("MAGICPIG background indexing failed (%r); the request's index is built at its "
+                               "next decode instead", job.error)
+                self.stats.index["background_failed"] += 1
+                self._mark_installed(cid)  # ready: the layers build it themselves
+                continue
+            if not self.index.has_centre(cid):  # its blocks were rewritten meanwhile: the build is stale
+                self.stats.index["background_dropped"] += 1
+                continue
+            for name, owner, centre, segs in job.built:
+                self.index.set_centre(name, job.spec, centre)
+                for ref, seg in segs:
+                    self.index.install(owner, ref, seg, self.cap_bytes)
+            self._mark_installed(cid)
+            self.stats.index["background_installed"] += 1
+
+    def _mark_installed(self, cid: int) -> None:
+        self._installed[cid] = None
+        while len(self._installed) > MAX_TRACKED:
+            self._installed.popitem(last=False)
+
+    def forget(self) -> None:
+        """The index was cleared: nothing pending or installed is valid any more."""
+        self._pending.clear()
+        self._installed.clear()
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ background thread
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            # daemon: a worker shutting down does not wait for a build nobody will read
+            self._thread = threading.Thread(target=self._loop, name="magicpig-index", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._todo.get()
+            if job is None:
+                return
+            torch.set_num_threads(job.threads)  # the worker's thread count, in this thread's OpenMP too
+            _run(job, self.ops, self._build)
+            self._done.put(job)
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until every submitted job has finished (tests, and shutdown-free benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._todo.empty() and self._done.qsize() >= len(self._pending):
+                return True
+            time.sleep(0.005)
+        return False
+
+
+def _run(job: IndexJob, ops: Any, build: Callable[..., Any]) -> None:
+    t0 = time.perf_counter()
+    try:
+        for lj in job.layers:
+            centring = decode_methods.get_centring(lj.centering)
+            centre = centring(lj.ctx, job.spec, lj.kv)
+            owner = segment_owner(lj.ctx.name, lj.K, lj.L)
+            segs = [(ref, build(ops, lj.kv, ref, centre, lj.projection, lj.K, lj.L)) for ref in job.refs]
+            job.built.append((lj.ctx.name, owner, centre, segs))
+    except BaseException as e:  # reported on the engine thread, which then builds synchronously
+        job.error = e
+    job.seconds = time.perf_counter() - t0
