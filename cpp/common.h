@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <utility>
 #include <vector>
 
 namespace mp {
@@ -98,6 +99,16 @@ struct HugePageAllocator {
     madvise(p, rounded, MADV_HUGEPAGE);
 #endif
     return static_cast<T*>(p);
+  }
+  // resize() leaves new elements default-initialised (not zeroed): every array of a segment is
+  // written in full by its build or merge, so zeroing first would write each byte twice.
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
   }
   void deallocate(T* p, size_t n) {
     if (n * sizeof(T) < kHuge)

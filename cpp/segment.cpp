@@ -29,13 +29,13 @@ void recover_codes(const Segment& s, int t, uint16_t* codes) {
 static void sort_tables(Segment& s, const uint16_t* codes, int nt) {
   const int T = s.hkv * s.L, n = s.n;
   const uint32_t B = 1u << s.K;
-  s.ids.assign(static_cast<size_t>(T) * n, 0);
+  s.ids.resize(static_cast<size_t>(T) * n);  // every slot written below
   // Dense offsets cost 2 bytes per bucket; once buckets outnumber tokens the sorted distinct
   // codes (4 bytes per non-empty bucket, binary searched) are smaller.
   s.dense_dir = B <= static_cast<uint32_t>(n);
   std::vector<std::vector<uint16_t>> uc, us;
   if (s.dense_dir) {
-    s.off.assign(static_cast<size_t>(T) * (B + 1), 0);
+    s.off.resize(static_cast<size_t>(T) * (B + 1));  // every start written below
   } else {
     uc.resize(T);
     us.resize(T);
@@ -188,6 +188,89 @@ std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const ui
   return sp;
 }
 
+// The merged CSR straight from the parts' CSRs: bucket b of the merge is the parts' buckets b in
+// order, their ids shifted by the part's first token (so ids stay ascending inside a bucket, as a
+// stable sort of the concatenation leaves them). Each id is read and written once, in runs; a
+// decode that grows a 16K-token segment by 512 tokens used to recover every code and re-sort them.
+static void merge_tables(Segment& s, const std::vector<SegmentPtr>& parts, int nt) {
+  const int T = s.hkv * s.L, n = s.n, P = static_cast<int>(parts.size());
+  const uint32_t B = 1u << s.K;
+  s.ids.resize(static_cast<size_t>(T) * n);     // every slot written below
+  s.dense_dir = B <= static_cast<uint32_t>(n);  // the same rule as sort_tables
+  bool any_dense = false;
+  std::vector<int> base(P);
+  for (int p = 0, o = 0; p < P; o += parts[p]->n, ++p) {
+    base[p] = o;
+    any_dense |= parts[p]->dense_dir;
+  }
+  std::vector<std::vector<uint16_t>> uc, us;
+  if (s.dense_dir) {
+    s.off.resize(static_cast<size_t>(T) * (B + 1));  // every start written below
+  } else {
+    uc.resize(T);
+    us.resize(T);
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<uint32_t> cur(P), end(P);  // compact parts: cursor into their distinct codes
+#pragma omp for schedule(dynamic)
+    for (int t = 0; t < T; ++t) {
+      for (int p = 0; p < P; ++p)
+        if (!parts[p]->dense_dir) cur[p] = parts[p]->dir_begin[t], end[p] = parts[p]->dir_begin[t + 1];
+      uint16_t* out = s.ids.data() + static_cast<size_t>(t) * n;
+      uint16_t* o = s.dense_dir ? s.off.data() + static_cast<size_t>(t) * (B + 1) : nullptr;
+      int pos = 0;
+      uint32_t filled = 0;  // dense output: bucket starts written below this code
+      // Codes in ascending order: every code when a part is dense (then B <= its n, so this is
+      // O(n)), else the union of the compact parts' distinct codes.
+      uint32_t b = 0;
+      while (true) {
+        if (!any_dense) {
+          b = B;
+          for (int p = 0; p < P; ++p)
+            if (cur[p] < end[p]) b = std::min<uint32_t>(b, parts[p]->ucode[cur[p]]);
+        }
+        if (b >= B) break;
+        const int start = pos;
+        for (int p = 0; p < P; ++p) {
+          const Segment& q = *parts[p];
+          int lo = 0, hi = 0;
+          if (q.dense_dir) {
+            const uint16_t* qo = q.dense_offsets(t);
+            lo = qo[b], hi = qo[b + 1];
+          } else if (cur[p] < end[p] && q.ucode[cur[p]] == b) {
+            lo = q.ustart[cur[p]];
+            hi = (cur[p] + 1 < end[p]) ? q.ustart[cur[p] + 1] : q.n;
+            ++cur[p];
+          }
+          const uint16_t* in = q.table_ids(t);
+          const uint16_t shift = static_cast<uint16_t>(base[p]);
+          for (int i = lo; i < hi; ++i) out[pos++] = static_cast<uint16_t>(in[i] + shift);
+        }
+        if (o) {
+          for (; filled <= b; ++filled) o[filled] = static_cast<uint16_t>(start);  // empty codes below b too
+        } else if (pos > start) {
+          uc[t].push_back(static_cast<uint16_t>(b));
+          us[t].push_back(static_cast<uint16_t>(start));
+        }
+        if (any_dense) ++b;
+      }
+      if (o)
+        for (; filled <= B; ++filled) o[filled] = static_cast<uint16_t>(pos);
+    }
+  }
+  if (!s.dense_dir) {
+    s.dir_begin.assign(T + 1, 0);
+    for (int t = 0; t < T; ++t) s.dir_begin[t + 1] = s.dir_begin[t] + static_cast<uint32_t>(uc[t].size());
+    s.ucode.reserve(s.dir_begin[T]);
+    s.ustart.reserve(s.dir_begin[T]);
+    for (int t = 0; t < T; ++t) {
+      s.ucode.insert(s.ucode.end(), uc[t].begin(), uc[t].end());
+      s.ustart.insert(s.ustart.end(), us[t].begin(), us[t].end());
+    }
+  }
+}
+
 std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, int num_threads) {
   const int nt = team_size(num_threads);
   if (parts.empty()) throw std::invalid_argument("merge_segments: no segments");
@@ -219,19 +302,7 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, in
       o += p->n;
     }
   }
-  // Recovering each child's codes from its CSR and stably re-sorting the concatenation gives
-  // exactly "bucket b = concat of the children's bucket b" (ids ascending within children), with
-  // no projection work; it also lets the merged segment pick its own directory form.
-  std::vector<uint16_t> codes(static_cast<size_t>(T) * n);
-#pragma omp parallel for schedule(dynamic) num_threads(nt)
-  for (int t = 0; t < T; ++t) {
-    size_t o = 0;
-    for (auto& p : parts) {
-      recover_codes(*p, t, codes.data() + static_cast<size_t>(t) * n + o);
-      o += p->n;
-    }
-  }
-  sort_tables(s, codes.data(), nt);
+  merge_tables(s, parts, nt);
   return sp;
 }
 
