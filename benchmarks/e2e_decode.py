@@ -109,6 +109,20 @@ def decode_seconds(llm, prompts, decode_tokens: int, reps: int = REPEATS) -> tup
     return max(long - short, 1e-9), long
 
 
+def first_decode_ms(llm, backend: str, prompt: str, reps: int = REPEATS) -> float:
+    """Milliseconds of a prompt's first decode step, index included: MAGICPIG's index is cleared
+    first, so that step meets an unindexed prompt as a new one does (from the prefix cache, so
+    no full prefill: 2 tokens minus 1 token, the recompute of the last block cancelling)."""
+    def run(tokens: int) -> float:
+        if backend == "MAGICPIG":
+            llm.collective_rpc("magicpig_clear_index")
+        return _timed_generate(llm, [prompt], tokens)
+
+    one = min(run(1) for _ in range(reps))
+    two = min(run(2) for _ in range(reps))
+    return round(1000 * max(two - one, 0.0), 1)
+
+
 def _indexing(st: dict) -> int:
     """Background index jobs not installed yet (installed at the start of a step after they finish)."""
     ix = st["index"]
@@ -168,6 +182,7 @@ def run_backend(backend, model, contexts, batches, decode_tokens, magicpig, cold
                            bytes_per_token=bytes_per_token(st, b * ctx), sparse_kernel_s=st["sparse_seconds"])
             print(json.dumps(row), flush=True)
             rows.append(row)
+        rows[-1]["first_decode_ms"] = first_decode_ms(llm, backend, prompts[0])
         if cold_tokens:
             rows.append(_cold(llm, backend, tok, ctx, cold_tokens))
     del llm
@@ -243,6 +258,22 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
             f"{b['ms_per_step']} / {r['ms_per_step']} | {r['bytes_per_token']} / {r['kv_bytes_per_token']} | "
             f"{r['index_build_s']} | {r['index_build_s'] / (prefill_each * r['batch']):.1%} |"
         )
+    first = [r for r in rows if r["backend"] == "MAGICPIG" and "first_decode_ms" in r]
+    if first:
+        lines += ["", "First decode step of a prompt whose index is not built yet (MAGICPIG's index cleared before "
+                  "it; from the prefix cache: a 2-token run minus a 1-token run): the delay indexing adds to the first "
+                  "decode token, against that prompt's prefill.", "",
+                  "| threads | context | CPU_ATTN ms | MAGICPIG ms | delay from indexing | prefill s | "
+                  "delay / prefill |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in first:
+            b = next(x for x in rows if x["backend"] == "CPU_ATTN" and x["threads"] == r["threads"]
+                     and x["context"] == r["context"] and "first_decode_ms" in x)
+            prefill_each = b["prefill_s"] / max(x["batch"] for x in rows if x["context"] == r["context"]
+                                                and x["batch"] != "cold")
+            delay = max(r["first_decode_ms"] - b["first_decode_ms"], 0.0) / 1000
+            lines.append(f"| {r['threads']} | {r['context']} | {b['first_decode_ms']} | {r['first_decode_ms']} | "
+                         f"{delay:.2f} s | {prefill_each:.1f} | {delay / prefill_each:.1%} |")
     cold = [r for r in rows if r["backend"] == "MAGICPIG" and r["batch"] == "cold"]
     if cold:
         lines += ["", f"Cold single request (new prompt: prefill + {cold_tokens} tokens, index build included), "

@@ -64,3 +64,14 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "speed.png"
     e2e_decode.plot(_rows(), path, "test shape")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_first_decode_delay_is_magicpigs_first_step_over_cpu_attns_against_one_prompts_prefill():
+    rows = _rows()
+    for r in rows:
+        if r["batch"] == 4:
+            r["first_decode_ms"] = 150.0 if r["backend"] == "MAGICPIG" else 100.0
+    lines = e2e_decode.table_lines(rows, decode_tokens=32, cold_tokens=0)
+    row = next(line for line in lines if line.startswith("| default | 4096 | 100.0 | 150.0 |"))
+    # 0.05 s more than exact, against one prompt's 10 s prefill (4 prompts in 40 s)
+    assert row.endswith("| 0.05 s | 10.0 | 0.5% |")
