@@ -71,8 +71,11 @@ def test_decides_by_the_crossover_and_keeps_exploring(noise):
     m = trained(noise=noise)
     # 20% timing noise moves the fitted crossover (~1.55K keys) by a few hundred keys: decide well away from it
     assert all(m.sampling_pays(n) for n in (3000, 4096, 65536))
-    declined = [m.sampling_pays(500) for _ in range(64)]
-    assert declined.count(True) == 4  # one in explore_every=16 is sampled anyway
+    declined = []
+    for _ in range(64):
+        m.begin_step()
+        declined.append(m.sampling_pays(500))
+    assert declined.count(True) == 4  # one step in explore_every=16 samples anyway
     exact, sparse = m.predicted(500)
     assert sparse > exact
     snap = m.snapshot()
@@ -86,6 +89,19 @@ def test_planner_serves_exactly_where_sampling_is_slower():
     table = torch.arange(2 * 320, dtype=torch.int32).view(2, 320)
     plan = planner.plan(FakeCam(seq, table), 2, StepSettings.from_config(cfg))
     assert plan.exact_reason == {0: "sampling_slower"} and plan.sparse == [1]
+
+
+def test_an_exploring_step_samples_the_whole_batch():
+    """Exploration is per step: the declined requests of a batch are all sampled in one step in 16
+    (timed, so the model learns) and all exact in the others (the platform kernel serves them),
+    never one sampled beside exact ones that would ride in the sampling kernel."""
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    planner = StepPlanner(cfg, 16, IndexStore(Stats(), cfg.segment_tokens), cost=trained())
+    seq = torch.tensor([400, 500, 450, 480], dtype=torch.int32)  # all below the ~1.55K-key crossover
+    table = torch.arange(4 * 40, dtype=torch.int32).view(4, 40)
+    sparse_per_step = [len(planner.plan(FakeCam(seq, table), 4, StepSettings.from_config(cfg)).sparse)
+                       for _ in range(32)]
+    assert sorted(set(sparse_per_step)) == [0, 4] and sparse_per_step.count(4) == 2, sparse_per_step
 
 
 def test_config_switch():

@@ -13,8 +13,11 @@ so it is measured, not assumed: every pure-decode step times
 Each is fitted as ``seconds = a * requests + b * keys`` (least squares with exponential
 forgetting, so a worker that warms up or changes load follows). Once both have enough steps, a
 decode request is served exactly when sampling its context is predicted to be slower than
-attending it exactly (stats: ``sampling_slower``). One such request in ``explore_every`` is
-still sampled, so the sampling side keeps being measured near the crossover.
+attending it exactly (stats: ``sampling_slower``). One decode step in ``explore_every`` samples
+them all the same, so the sampling side keeps being measured near the crossover. Exploring a whole
+step, not one request in ``explore_every``: a batch with sampled and exact requests serves the
+exact ones in the sampling kernel (slower than the platform's) and is not timed, so exploring
+single requests of a batch cost every such step and taught the model nothing.
 """
 from __future__ import annotations
 
@@ -68,7 +71,8 @@ class DecodeCostModel:
         self.explore_every = explore_every
         self.exact = LinearCost(decay)
         self.sparse = LinearCost(decay)
-        self._declined = 0
+        self._steps_planned = 0
+        self._explore = False
         self._lock = threading.Lock()
 
     def observe_exact(self, requests: int, keys: int, seconds: float) -> None:
@@ -88,14 +92,16 @@ class DecodeCostModel:
             e, s = self.exact.per_request(context), self.sparse.per_request(context)
         return None if e is None or s is None else (e, s)
 
+    def begin_step(self) -> None:
+        """A decode step is being planned: every ``explore_every``-th one explores (module docs)."""
+        self._steps_planned += 1
+        self._explore = self._steps_planned % self.explore_every == 0
+
     def sampling_pays(self, context: int) -> bool:
         """Sample this request? True until both sides are measured; then when sampling is
-        predicted no slower than exact, and for one declined request in ``explore_every``."""
+        predicted no slower than exact, and in an exploring step."""
         p = self.predicted(context)
-        if p is None or p[1] <= p[0]:
-            return True
-        self._declined += 1
-        return self._declined % self.explore_every == 0
+        return p is None or p[1] <= p[0] or self._explore
 
     def snapshot(self) -> dict:
         """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys."""

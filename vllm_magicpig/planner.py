@@ -176,6 +176,8 @@ class StepPlanner:
         dense = torch.empty(num_decodes, 2, 2, dtype=torch.int32)
         plan = DecodePlan(settings, num_decodes, block_table, seq_lens, dense, [])
         background = self.indexer is not None and self.indexer.applies(settings)
+        if self.cost is not None:
+            self.cost.begin_step()
         for r, s in enumerate(seq_lens):
             dense[r, 0, 0], dense[r, 0, 1], dense[r, 1, 0], dense[r, 1, 1] = 0, s, s, s
             if settings.method == EXACT:
