@@ -24,22 +24,52 @@ void recover_codes(const Segment& s, int t, uint16_t* codes) {
   }
 }
 
+// A compact bucket directory while it is written: per table, its distinct codes and their starts.
+struct CompactDir {
+  std::vector<std::vector<uint16_t>> codes, starts;
+};
+
+// Sizes the CSR of s (s.n tokens) for sort_tables / merge_tables, which write every id and every
+// bucket start, and picks its directory form: dense offsets cost 2 bytes per bucket; once buckets
+// outnumber tokens the sorted distinct codes (4 bytes per non-empty bucket, binary searched) are
+// smaller.
+static CompactDir size_tables(Segment& s) {
+  const size_t T = static_cast<size_t>(s.hkv) * s.L;
+  const uint32_t B = 1u << s.K;
+  s.ids.resize(T * s.n);
+  s.dense_dir = B <= static_cast<uint32_t>(s.n);
+  CompactDir dir;
+  if (s.dense_dir) {
+    s.off.resize(T * (B + 1));
+  } else {
+    dir.codes.resize(T);
+    dir.starts.resize(T);
+  }
+  return dir;
+}
+
+// Concatenates the per-table compact directories into s (nothing to do for a dense one).
+static void finish_compact_dir(Segment& s, const CompactDir& dir) {
+  if (s.dense_dir) return;
+  const int T = s.hkv * s.L;
+  s.dir_begin.assign(T + 1, 0);
+  for (int t = 0; t < T; ++t) s.dir_begin[t + 1] = s.dir_begin[t] + static_cast<uint32_t>(dir.codes[t].size());
+  s.ucode.reserve(s.dir_begin[T]);
+  s.ustart.reserve(s.dir_begin[T]);
+  for (int t = 0; t < T; ++t) {
+    s.ucode.insert(s.ucode.end(), dir.codes[t].begin(), dir.codes[t].end());
+    s.ustart.insert(s.ustart.end(), dir.starts[t].begin(), dir.starts[t].end());
+  }
+}
+
 // Stable counting sort of every (KV head, table) row of codes [hkv*L][n] into the CSR index.
 // Stability keeps ids ascending inside a bucket, which is what makes merge == concatenation.
 static void sort_tables(Segment& s, const uint16_t* codes, int nt) {
   const int T = s.hkv * s.L, n = s.n;
   const uint32_t B = 1u << s.K;
-  s.ids.resize(static_cast<size_t>(T) * n);  // every slot written below
-  // Dense offsets cost 2 bytes per bucket; once buckets outnumber tokens the sorted distinct
-  // codes (4 bytes per non-empty bucket, binary searched) are smaller.
-  s.dense_dir = B <= static_cast<uint32_t>(n);
-  std::vector<std::vector<uint16_t>> uc, us;
-  if (s.dense_dir) {
-    s.off.resize(static_cast<size_t>(T) * (B + 1));  // every start written below
-  } else {
-    uc.resize(T);
-    us.resize(T);
-  }
+  CompactDir dir = size_tables(s);
+  auto& uc = dir.codes;
+  auto& us = dir.starts;
 #pragma omp parallel num_threads(nt)
   {
     std::vector<uint32_t> cnt(B + 1);
@@ -62,16 +92,7 @@ static void sort_tables(Segment& s, const uint16_t* codes, int nt) {
       for (int i = 0; i < n; ++i) ids[cnt[c[i]]++] = static_cast<uint16_t>(i);
     }
   }
-  if (!s.dense_dir) {
-    s.dir_begin.assign(T + 1, 0);
-    for (int t = 0; t < T; ++t) s.dir_begin[t + 1] = s.dir_begin[t] + static_cast<uint32_t>(uc[t].size());
-    s.ucode.reserve(s.dir_begin[T]);
-    s.ustart.reserve(s.dir_begin[T]);
-    for (int t = 0; t < T; ++t) {
-      s.ucode.insert(s.ucode.end(), uc[t].begin(), uc[t].end());
-      s.ustart.insert(s.ustart.end(), us[t].begin(), us[t].end());
-    }
-  }
+  finish_compact_dir(s, dir);
 }
 
 namespace {
@@ -195,20 +216,14 @@ std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const ui
 static void merge_tables(Segment& s, const std::vector<SegmentPtr>& parts, int nt) {
   const int T = s.hkv * s.L, n = s.n, P = static_cast<int>(parts.size());
   const uint32_t B = 1u << s.K;
-  s.ids.resize(static_cast<size_t>(T) * n);     // every slot written below
-  s.dense_dir = B <= static_cast<uint32_t>(n);  // the same rule as sort_tables
+  CompactDir dir = size_tables(s);
+  auto& uc = dir.codes;
+  auto& us = dir.starts;
   bool any_dense = false;
   std::vector<int> base(P);
   for (int p = 0, o = 0; p < P; o += parts[p]->n, ++p) {
     base[p] = o;
     any_dense |= parts[p]->dense_dir;
-  }
-  std::vector<std::vector<uint16_t>> uc, us;
-  if (s.dense_dir) {
-    s.off.resize(static_cast<size_t>(T) * (B + 1));  // every start written below
-  } else {
-    uc.resize(T);
-    us.resize(T);
   }
 #pragma omp parallel num_threads(nt)
   {
@@ -259,16 +274,7 @@ static void merge_tables(Segment& s, const std::vector<SegmentPtr>& parts, int n
         for (; filled <= B; ++filled) o[filled] = static_cast<uint16_t>(pos);
     }
   }
-  if (!s.dense_dir) {
-    s.dir_begin.assign(T + 1, 0);
-    for (int t = 0; t < T; ++t) s.dir_begin[t + 1] = s.dir_begin[t] + static_cast<uint32_t>(uc[t].size());
-    s.ucode.reserve(s.dir_begin[T]);
-    s.ustart.reserve(s.dir_begin[T]);
-    for (int t = 0; t < T; ++t) {
-      s.ucode.insert(s.ucode.end(), uc[t].begin(), uc[t].end());
-      s.ustart.insert(s.ustart.end(), us[t].begin(), us[t].end());
-    }
-  }
+  finish_compact_dir(s, dir);
 }
 
 std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, int num_threads) {
