@@ -89,7 +89,7 @@ class BackgroundIndexer:
 
     # ------------------------------------------------------------------ engine thread
     def register_layer(self, ctx: LayerContext, kv: KVViews) -> None:
-        """A sparse layer and its cache views (each forward: the views are cheap to refresh)."""
+        """A sparse layer and its cache views (again whenever the layer sees another cache tensor)."""
         self.layers[ctx.name] = (ctx, kv)
 
     def applies(self, settings: Any) -> bool:
