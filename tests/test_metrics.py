@@ -235,7 +235,9 @@ def test_logger_survives_a_failing_rpc():
 # --- the OpenAI server ------------------------------------------------------------------------
 
 PROMPT_TOKENS = 2048
-SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1, "cost_model": False}
+# background_index off: a few-token request must be sampled from its first decode, not wait for its index
+SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1, "cost_model": False,
+              "background_index": False}
 
 
 @pytest.mark.server

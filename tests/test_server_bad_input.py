@@ -27,7 +27,9 @@ pytestmark = pytest.mark.server
 
 BAD_CONFIG_TIMEOUT_S = 90
 MAX_MODEL_LEN = 4096
-SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1, "cost_model": False}
+# background_index off: a few-token request must be sampled from its first decode, not wait for its index
+SERVER_CFG = {"K": 10, "L": 150, "min_sparse_context": 512, "log_stats_interval": 1, "cost_model": False,
+              "background_index": False}
 # VLLM_LOG_STATS_INTERVAL paces vLLM's stat loggers, and with them MAGICPIG's /metrics fetches.
 STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
 
