@@ -228,6 +228,12 @@ def bind_threads(mode: str) -> None:
         raise ValueError(f"--threads takes default and/or all, not {mode!r}")
 
 
+def prefill_per_prompt(rows: list[dict], row: dict) -> float:
+    """Seconds one prompt of ``row``'s context took to prefill: its ``prefill_s`` covers the context's
+    largest batch of prompts, prefilled together."""
+    return row["prefill_s"] / max(x["batch"] for x in rows if x["context"] == row["context"] and x["batch"] != "cold")
+
+
 def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[str]:
     """The results table: decode speed side by side, the sampled fraction, time per step, bytes per token,
     and the index build against the prompts' prefill."""
@@ -250,8 +256,7 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
             continue
         b = base[(r["threads"], r["context"], r["batch"])]
         frac = r["sampled_fraction"]
-        prefill_each = b["prefill_s"] / max(r2["batch"] for r2 in rows if r2["context"] == r["context"]
-                                            and r2["batch"] != "cold")
+        prefill_each = prefill_per_prompt(rows, b)
         lines.append(
             f"| {r['threads']} | {r['context']} | {r['batch']} | {b['tok_per_s']:.1f} | {r['tok_per_s']:.1f} | "
             f"{r['tok_per_s'] / b['tok_per_s']:.2f}x | {'n/a' if frac is None else f'{frac:.2%}'} | "
@@ -269,8 +274,7 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
         for r in first:
             b = next(x for x in rows if x["backend"] == "CPU_ATTN" and x["threads"] == r["threads"]
                      and x["context"] == r["context"] and "first_decode_ms" in x)
-            prefill_each = b["prefill_s"] / max(x["batch"] for x in rows if x["context"] == r["context"]
-                                                and x["batch"] != "cold")
+            prefill_each = prefill_per_prompt(rows, b)
             delay = max(r["first_decode_ms"] - b["first_decode_ms"], 0.0) / 1000
             lines.append(f"| {r['threads']} | {r['context']} | {b['first_decode_ms']} | {r['first_decode_ms']} | "
                          f"{delay:.2f} s | {prefill_each:.1f} | {delay / prefill_each:.1%} |")

@@ -209,8 +209,7 @@ class IndexStore:
     def install(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None = None) -> Segment | None:
         """Store a segment built elsewhere (the background indexer), counted as built; under the
         cap as :meth:`get_or_build` stores (None: no room, not kept)."""
-        self.stats.index["segments_built"] += 1
-        self.stats.index["tokens_indexed"] += ref.num_tokens
+        self._count_built(ref)
         return self._store(layer, ref, seg, cap_bytes)
 
     def _store(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None) -> Segment | None:
@@ -224,9 +223,12 @@ class IndexStore:
         t0 = time.perf_counter()
         seg = build(ref)
         self.stats.build_seconds += time.perf_counter() - t0
+        self._count_built(ref)
+        return seg
+
+    def _count_built(self, ref: SegmentRef) -> None:
         self.stats.index["segments_built"] += 1
         self.stats.index["tokens_indexed"] += ref.num_tokens
-        return seg
 
     def reserve(self, layer: Hashable, refs: Sequence[SegmentRef], cap_bytes: int) -> bool:
         """Fit the store under ``cap_bytes`` by evicting least recently used segments that this
