@@ -391,28 +391,41 @@ def section_host_mirror(run: Run, cfg: dict) -> None:
     engine = CudaCopyEngine(dev) if cuda else SyncCopyEngine()
     mirror = HostMirror(engine, Stats(), max_bytes=4 * n * hkv * D * 2 * 2)
     layer = "model.layers.1.self_attn.attn"
-    sync(dev)
-    mirror.begin_step(blocks, blocks)  # a prefill step that completes every block
-    t0 = time.perf_counter()
-    mirror.copy_layer(layer, kv)
-    t_enqueue = time.perf_counter() - t0
-    event = mirror._pending[blocks[-1]]
-    while not event.query():
-        pass
-    t_done = time.perf_counter() - t0
-    mirror.begin_step([], [])
-    got = mirror.rows(layer, tuple(blocks), 0, n)
-    ok = got is not None and torch.equal(got[0], gather(kv.key, tuple(blocks), 0, n).cpu()) and torch.equal(
-        got[1], gather(kv.value, tuple(blocks), 0, n).cpu())
-    run.gate("host_mirror.rows_equal", ok, f"{n} tokens x {hkv} KV heads staged by copy_layer equal the cache rows")
-    run.gate("host_mirror.ready", mirror.ready_blocks(blocks) == len(blocks), "every copied block counts as mirrored")
     nbytes = 2 * n * hkv * D * 2
-    run.results["host_mirror"] = {"tokens": n, "bytes": nbytes, "enqueue_s": t_enqueue, "done_s": t_done}
+    timings = []
+    # Twice: the first copy allocates its pinned buffers (torch's caching host allocator pins fresh memory);
+    # the second, after the first's rows are released, can reuse them. The difference is the allocation.
+    for attempt in ("cold", "warm"):
+        sync(dev)
+        mirror.begin_step(blocks, blocks)  # a prefill step that completes every block
+        t0 = time.perf_counter()
+        mirror.copy_layer(layer, kv)
+        t_enqueue = time.perf_counter() - t0
+        event = mirror._pending[blocks[-1]]
+        while not event.query():
+            pass
+        t_done = time.perf_counter() - t0
+        mirror.begin_step([], [])
+        timings.append({"attempt": attempt, "enqueue_s": t_enqueue, "done_s": t_done})
+        if attempt == "cold":
+            got = mirror.rows(layer, tuple(blocks), 0, n)
+            ok = got is not None and torch.equal(got[0], gather(kv.key, tuple(blocks), 0, n).cpu()) and torch.equal(
+                got[1], gather(kv.value, tuple(blocks), 0, n).cpu())
+            run.gate("host_mirror.rows_equal", ok,
+                     f"{n} tokens x {hkv} KV heads staged by copy_layer equal the cache rows")
+            run.gate("host_mirror.ready", mirror.ready_blocks(blocks) == len(blocks),
+                     "every copied block counts as mirrored")
+            del got
+            mirror.release(layer, tuple(blocks))  # the segment build's release: the pinned rows are freed
+    run.results["host_mirror"] = {"tokens": n, "bytes": nbytes, "enqueue_s": timings[0]["enqueue_s"],
+                                  "done_s": timings[0]["done_s"], "attempts": timings}
     if cuda:
-        run.line(f"copy_layer returned after {ms(t_enqueue)}; the copy completed after {ms(t_done)} "
-                 f"({nbytes / t_done / 1e9:.1f} GB/s including the gather)")
+        for t in timings:
+            run.line(f"- {t['attempt']}: copy_layer returned after {ms(t['enqueue_s'])}; the copy completed after "
+                     f"{ms(t['done_s'])} ({nbytes / t['done_s'] / 1e9:.1f} GB/s including the gather)")
     else:
-        run.line(f"Device is the CPU: copy_layer copies synchronously ({ms(t_done)} for {nbytes / 2**20:.1f} MiB).")
+        run.line(f"Device is the CPU: copy_layer copies synchronously ({ms(timings[0]['done_s'])} cold, "
+                 f"{ms(timings[1]['done_s'])} warm, for {nbytes / 2**20:.1f} MiB).")
 
 
 # ============================================================================ hash
