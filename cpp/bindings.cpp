@@ -173,10 +173,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "sparse_decode",
       [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, int q_dtype, uintptr_t qcodes,
-         uintptr_t qdc, const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc,
-         std::vector<int64_t> ks, uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size,
-         uintptr_t ranges, uintptr_t out, int out_dtype, uintptr_t lse, uintptr_t counts, bool force_scalar,
-         int num_threads) {
+         uintptr_t qdc, uintptr_t w, const std::vector<uintptr_t>& centres,
+         const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc, std::vector<int64_t> ks,
+         uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size, uintptr_t ranges,
+         uintptr_t out, int out_dtype, uintptr_t lse, uintptr_t counts, bool force_scalar, int num_threads) {
         const char* fn = "sparse_decode";
         require(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
                 std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
@@ -193,10 +193,23 @@ PYBIND11_MODULE(_C, m) {
         require(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
         require(segs.size() == static_cast<size_t>(R),
                 std::string(fn) + ": segs has " + num(segs.size()) + " entries for R=" + num(R) + " requests");
+        // Either the query codes and q . c are given, or the projection and a centre slot per request
+        // (0 for a request without segments) to compute them from.
+        require((qcodes != 0) == (qdc != 0), std::string(fn) + ": qcodes and qdc are given together or not at all");
+        if (qcodes == 0) {
+          require(centres.size() == static_cast<size_t>(R),
+                  std::string(fn) + ": centres has " + num(centres.size()) + " entries for R=" + num(R) + " requests");
+          if (R > 0 && H > 0) check_ptr(fn, "w", w);
+          for (int r = 0; r < R; ++r)
+            require(centres[r] != 0 || segs[r].empty(),
+                    std::string(fn) + ": request " + num(r) + " has segments but no centre");
+        }
         if (R > 0 && H > 0) {  // then these tensors are non-empty; caches and block table may be empty
           check_ptr(fn, "q", q);
-          check_ptr(fn, "qcodes", qcodes);
-          check_ptr(fn, "qdc", qdc);
+          if (qcodes != 0) {
+            check_ptr(fn, "qcodes", qcodes);
+            check_ptr(fn, "qdc", qdc);
+          }
           check_ptr(fn, "ranges", ranges);
           check_ptr(fn, "out", out);
         }
@@ -218,6 +231,10 @@ PYBIND11_MODULE(_C, m) {
         a.q_dtype = q_dtype;
         a.qcodes = ptr<const int32_t>(qcodes);
         a.qdc = ptr<const float>(qdc);
+        std::vector<const float*> cp(centres.size());
+        for (size_t r = 0; r < centres.size(); ++r) cp[r] = ptr<const float>(centres[r]);
+        a.w = ptr<const float>(w);
+        a.centres = cp.data();
         a.segs = &sg;
         a.kc = ptr<const uint16_t>(kc);
         a.vc = ptr<const uint16_t>(vc);
@@ -236,13 +253,13 @@ PYBIND11_MODULE(_C, m) {
         a.force_scalar = force_scalar;
         a.num_threads = num_threads;
         py::gil_scoped_release nogil;
-        sparse_decode(a);
+        return sparse_decode(a);
       },
       py::arg("R"), py::arg("H"), py::arg("hkv"), py::arg("d"), py::arg("K"), py::arg("L"), py::arg("dtype"),
-      py::arg("scale"), py::arg("q"), py::arg("q_dtype"), py::arg("qcodes"), py::arg("qdc"), py::arg("segs"),
-      py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"), py::arg("max_blocks"),
-      py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("out_dtype"), py::arg("lse"), py::arg("counts"),
-      py::arg("force_scalar"), py::arg("num_threads") = 0);
+      py::arg("scale"), py::arg("q"), py::arg("q_dtype"), py::arg("qcodes"), py::arg("qdc"), py::arg("w"),
+      py::arg("centres"), py::arg("segs"), py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"),
+      py::arg("max_blocks"), py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("out_dtype"),
+      py::arg("lse"), py::arg("counts"), py::arg("force_scalar"), py::arg("num_threads") = 0);
 
   m.def(
       "set_profiling",

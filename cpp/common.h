@@ -217,10 +217,12 @@ void recover_codes(const Segment& s, int t, uint16_t* codes);
 struct AttnArgs {
   int R, H, hkv, d, K, L, dtype;  // R: requests, H: query heads, hkv: KV heads
   float scale;
-  const void* q;          // [R][H][d] of q_dtype
-  int q_dtype;            // BF16 (enables the avx512bf16 dot on a bf16 cache), FP16 or FP32
-  const int32_t* qcodes;  // [R][H][L]
-  const float* qdc;       // [R][H]
+  const void* q;                // [R][H][d] of q_dtype
+  int q_dtype;                  // BF16 (enables the avx512bf16 dot on a bf16 cache), FP16 or FP32
+  const int32_t* qcodes;        // [R][H][L]; null: hashed here from q with w (prepare_queries)
+  const float* qdc;             // [R][H]; null: q . centre computed here
+  const float* w;               // [d][K*L] projection, when qcodes is null
+  const float* const* centres;  // [R] -> [hkv][d] float centre (null: request without segments)
   const std::vector<std::vector<SegmentPtr>>* segs;
   const uint16_t* kc;  // paged caches, element strides (block, slot, head, dim)
   int64_t ks[4];
@@ -236,7 +238,8 @@ struct AttnArgs {
   bool force_scalar;
   int num_threads;  // <= 0: omp_get_max_threads()
 };
-void sparse_decode(const AttnArgs& args);
+// Returns the sampled keys summed over every request and query head (the sum of counts).
+int64_t sparse_decode(const AttnArgs& args);
 
 // ---- phase timers (sparse_decode.cpp) ----
 // Optional, for the benchmark's breakdown: nanoseconds summed over threads per phase.

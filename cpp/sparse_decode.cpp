@@ -49,9 +49,50 @@ Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scrat
   return heads;
 }
 
+// The per-layer work that used to be three torch ops and a second native call: SimHash codes of
+// the query heads of every request with segments (hash_rows, the arithmetic that hashed the keys,
+// so a query and a key with equal rows get equal codes) and q . centre of each head with its KV
+// head's centre (summed in double). Requests without segments get zeros: their codes are never read.
+void prepare_queries(const AttnArgs& args, int nt, std::vector<int32_t>& qcodes, std::vector<float>& qdc) {
+  const int R = args.R, H = args.H, d = args.d, L = args.L, G = args.H / args.hkv;
+  qcodes.assign(static_cast<size_t>(R) * H * L, 0);
+  qdc.assign(static_cast<size_t>(R) * H, 0.f);
+#pragma omp parallel for schedule(dynamic) num_threads(std::min(nt, std::max(R, 1)))
+  for (int r = 0; r < R; ++r) {
+    const float* centre = args.centres[r];
+    if (centre == nullptr || (*args.segs)[r].empty()) continue;
+    std::vector<float> qf(static_cast<size_t>(H) * d);
+    for (int h = 0; h < H; ++h) {
+      const size_t row = static_cast<size_t>(r) * H + h;
+      float* x = qf.data() + static_cast<size_t>(h) * d;
+      if (args.q_dtype == FP32) {
+        std::memcpy(x, static_cast<const float*>(args.q) + row * d, d * sizeof(float));
+      } else {
+        const uint16_t* q16 = static_cast<const uint16_t*>(args.q) + row * d;
+        for (int j = 0; j < d; ++j) x[j] = to_f(q16[j], args.q_dtype);
+      }
+      const float* c = centre + static_cast<size_t>(h / G) * d;
+      double dot = 0;
+      for (int j = 0; j < d; ++j) dot += static_cast<double>(x[j]) * c[j];
+      qdc[row] = static_cast<float>(dot);
+    }
+    std::vector<uint16_t> c16(static_cast<size_t>(H) * L);
+    hash_rows(qf.data(), H, d, args.w, args.K, L, c16.data(), args.force_scalar);
+    std::copy(c16.begin(), c16.end(), qcodes.begin() + static_cast<size_t>(r) * H * L);
+  }
+}
+
 }  // namespace
 
-void sparse_decode(const AttnArgs& args) {
+int64_t sparse_decode(const AttnArgs& in) {
+  AttnArgs args = in;
+  static thread_local std::vector<int32_t> tls_qcodes;
+  static thread_local std::vector<float> tls_qdc;
+  if (args.qcodes == nullptr) {
+    prepare_queries(args, team_size(args.num_threads), tls_qcodes, tls_qdc);
+    args.qcodes = tls_qcodes.data();
+    args.qdc = tls_qdc.data();
+  }
   Isa isa = resolve_isa(args.force_scalar);
   // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
   if (isa == Isa::Avx512Bf16 && !(args.q_dtype == BF16 && args.dtype == BF16)) isa = Isa::Avx512;
@@ -163,7 +204,8 @@ void sparse_decode(const AttnArgs& args) {
 
   // LSE merge of the partials of each query head.
   PhaseTimer pt;
-#pragma omp parallel for num_threads(nt)
+  int64_t sampled = 0;
+#pragma omp parallel for num_threads(nt) reduction(+ : sampled)
   for (int rh = 0; rh < args.R * args.H; ++rh) {
     const HeadGroups::Slot hs = groups.head_group(rh / args.H, rh % args.H);
     float M = NEG_INF;
@@ -197,8 +239,10 @@ void sparse_decode(const AttnArgs& args) {
     }
     if (args.lse) args.lse[rh] = M == NEG_INF ? NEG_INF : M + static_cast<float>(std::log(sum));
     if (args.counts) args.counts[rh] = count;
+    sampled += count;
   }
   pt.tick(kPhaseMerge);
+  return sampled;
 }
 
 }  // namespace mp

@@ -85,15 +85,17 @@ def test_cuda_runtime_rounds_sinks_to_blocks_and_pins_host_threads(cuda_backend)
     assert cuda_backend.host_threads(5, local_workers=2) == 5
 
 
-def test_cuda_index_cap_is_sized_from_host_memory_unless_set(cuda_backend, tmp_path):
+def test_cuda_index_cap_is_sized_from_host_memory_unless_set(cuda_backend, tmp_path, monkeypatch):
     from vllm_magicpig.config import parse_config
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       528000000 kB\nMemAvailable:   400000000 kB\n")
     assert cuda_backend.host_index_cap_mb(2, str(meminfo)) == 400000000 // 1024 // 2 // 2
     assert cuda_backend.host_index_cap_mb(1, str(tmp_path / "missing")) == 4096
-    auto = cuda_backend.make_cuda_runtime(parse_config({}), num_layers=4, block_size=16)
-    assert auto.cfg.index_memory_mb == cuda_backend.host_index_cap_mb(1)
+    # The runtime takes its cap from host_index_cap_mb (stubbed: MemAvailable moves while tests run).
+    monkeypatch.setattr(cuda_backend, "host_index_cap_mb", lambda workers: 1234 * workers)
+    auto = cuda_backend.make_cuda_runtime(parse_config({}), num_layers=4, block_size=16, local_workers=2)
+    assert auto.cfg.index_memory_mb == 2468
     fixed = cuda_backend.make_cuda_runtime(parse_config({"magicpig": {"index_memory_mb": 100}}), num_layers=4,
                                            block_size=16)
     assert fixed.cfg.index_memory_mb == 100 and fixed.cap_bytes == 100 * 2**20

@@ -223,6 +223,50 @@ def test_estimator_matches_reference(name, force_scalar):
     check_case(case, seed, force_scalar, name)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_one_call_decode_equals_two_step(name, force_scalar):
+    """magicpig_decode_attention (queries hashed and q . c computed inside the native call) gives,
+    bit for bit, what sparse_decode_attention gives with codes from hash_codes (same path) and
+    q . c summed in float64 (as the reference does), which the test above holds to the float64
+    estimator. Requests without segments pass no centre. The returned total is the counts' sum."""
+    seed, gen = new_seed()
+    lens, hkv, G, D, K, L, extra = CONFIGS[name]
+    case = Case(gen, lens, hkv, G, D, K, L, **extra)
+    R = len(lens)
+    case.qcodes = kx.hash_codes(case.query.reshape(-1, D), case.W, K, L, force_scalar=force_scalar).view(R, case.H, L)
+    want_out, want_lse, want_cnt = case.run(force_scalar)
+    out = torch.full_like(want_out, float("nan"))
+    lse = torch.full_like(want_lse, float("nan"))
+    cnt = torch.full_like(want_cnt, -7)
+    centres = [case.centres[r] if case.segs[r] else None for r in range(R)]
+    total = kx.magicpig_decode_attention(case.query, case.W, centres, case.segs, case.kview, case.vview,
+                                         block_table=case.bt, dense_ranges=case.dense_ranges, scale=case.scale, K=K,
+                                         L=L, out=out, lse=lse, sampled_counts=cnt, force_scalar=force_scalar)
+    msg = f"seed={seed} {name} force_scalar={force_scalar}"
+    assert torch.equal(cnt, want_cnt), msg
+    assert total == int(want_cnt.sum()), msg
+    assert torch.equal(out, want_out), f"output gap {(out.double() - want_out.double()).abs().max():.3g} ({msg})"
+    assert torch.equal(lse, want_lse), msg
+
+
+def test_one_call_decode_rejects_bad_centres():
+    _, gen = new_seed()
+    case = Case(gen, [400, 300], 2, 2, 64, 6, 20)
+    out = torch.empty(2, 4, 64, dtype=torch.bfloat16)
+    kw = dict(block_table=case.bt, dense_ranges=case.dense_ranges, scale=case.scale, K=6, L=20, out=out)
+    good = [case.centres[0], case.centres[1]]
+    for centres, err in (([good[0]], "R=2 entries"), ([good[0], None], "has segments but no centre"),
+                         ([good[0], good[1].double()], "centres\\[1\\]"), ([good[0], good[1][:1]], "centres\\[1\\]"),
+                         (tuple(good[:1]) * 3, "R=2 entries")):
+        with pytest.raises((ValueError, TypeError), match=err):
+            kx.magicpig_decode_attention(case.query, case.W, list(centres), case.segs, case.kview, case.vview, **kw)
+    with pytest.raises(ValueError, match="projection"):
+        kx.magicpig_decode_attention(case.query, case.W[:, :10], good, case.segs, case.kview, case.vview, **kw)
+    with pytest.raises(TypeError, match="centres must be a list"):
+        kx.magicpig_decode_attention(case.query, case.W, good[0], case.segs, case.kview, case.vview, **kw)
+
+
 @pytest.mark.parametrize("force_scalar", PATHS)
 def test_retrieval_bitset_word_boundaries(force_scalar):
     """Retrieval counts collisions in 64-token bitset words: segments of 1, 63, 64, 65, 127 and 130
@@ -515,8 +559,9 @@ def test_c_entry_points_reject_bad_sizes():
     R, H = c.query.shape[:2]
     q, out = c.query.float().contiguous(), torch.empty(R, H, D)
     decode = dict(R=R, H=H, hkv=hkv, d=D, K=6, L=20, dtype=0, scale=c.scale, q=q.data_ptr(), q_dtype=2,
-                  qcodes=c.qcodes.data_ptr(), qdc=c.qdc.data_ptr(), segs=[[seg]], kc=c.kview.data_ptr(),
-                  ks=list(c.kview.stride()), vc=c.vview.data_ptr(), vs=list(c.vview.stride()), bt=c.bt.data_ptr(),
+                  qcodes=c.qcodes.data_ptr(), qdc=c.qdc.data_ptr(), w=0, centres=[], segs=[[seg]],
+                  kc=c.kview.data_ptr(), ks=list(c.kview.stride()), vc=c.vview.data_ptr(), vs=list(c.vview.stride()),
+                  bt=c.bt.data_ptr(),
                   max_blocks=c.bt.shape[1], block_size=c.kview.shape[1], ranges=c.dense_ranges.data_ptr(),
                   out=out.data_ptr(), out_dtype=2, lse=0, counts=0, force_scalar=False)
     kx._C.sparse_decode(**decode)
@@ -524,8 +569,15 @@ def test_c_entry_points_reject_bad_sizes():
                 dict(K=0), dict(K=17), dict(L=1), dict(dtype=-1), dict(ks=[1, 1, 1]), dict(vs=[1] * 5),
                 dict(max_blocks=-1), dict(block_size=0), dict(segs=[[other_k]]), dict(segs=[[None]]),
                 dict(q=0), dict(qcodes=0), dict(out=0), dict(q_dtype=3), dict(q_dtype=-1), dict(out_dtype=1),
-                dict(out_dtype=3)):
+                dict(out_dtype=3), dict(qdc=0)):
         rejects(kx._C.sparse_decode, decode, **bad)
+    # The fused form (codes and q . c computed inside): the projection and one centre slot per request.
+    centre = torch.zeros(hkv, D)
+    fused = dict(decode, qcodes=0, qdc=0, w=W.data_ptr(), centres=[centre.data_ptr()])
+    kx._C.sparse_decode(**fused)
+    for bad in (dict(w=0), dict(centres=[]), dict(centres=[centre.data_ptr()] * 2), dict(centres=[0])):
+        rejects(kx._C.sparse_decode, fused, **bad)
+    kx._C.sparse_decode(**dict(fused, centres=[0], segs=[[]]))  # no segments: no centre needed
 
 
 def test_segment_limit_shared_with_extension():

@@ -276,18 +276,78 @@ def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False,
 def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache, *,
                             block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
                             sampled_counts=None, force_scalar: bool = False, check_values: bool = True,
-                            num_threads: int | None = None) -> None:
-    """MagicPIG decode attention for R requests (one query token each); writes ``out`` (and ``lse``,
-    ``sampled_counts``).  See the module docs of the package README for the estimator.
+                            num_threads: int | None = None) -> int:
+    """MagicPIG decode attention for R requests (one query token each), with the query codes
+    ``[R, H, L]`` int32 and q . c ``[R, H]`` float32 given; writes ``out`` (and ``lse``,
+    ``sampled_counts``) and returns the sampled keys summed over requests and heads.  See the
+    module docs of the package README for the estimator.
 
     Everything after ``value_cache`` is keyword-only, so each call names its tensors, scalars and
     outputs rather than relying on the order of a dozen similar arguments.  The result does not
     depend on ``num_threads`` (bit for bit)."""
     _check_kl(K, L)
+    _tensor("query_codes", query_codes)
+    _tensor("query_dot_centre", query_dot_centre)
+    _dtype("query_codes", query_codes, (torch.int32,))
+    _dtype("query_dot_centre", query_dot_centre, (torch.float32,))
+    if check_values and query_codes.numel() and (int(query_codes.min()) < 0 or int(query_codes.max()) >= (1 << K)):
+        raise ValueError(f"query_codes must lie in [0, 2^K={1 << K})")
+    qc, qdc = query_codes.contiguous(), query_dot_centre.contiguous()
+
+    def shapes(R, H):
+        _shape("query_codes", query_codes, (R, H, L))
+        _shape("query_dot_centre", query_dot_centre, (R, H))
+        return qc.data_ptr(), qdc.data_ptr(), 0, []
+
+    return _decode(query, shapes, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
+                   sampled_counts, force_scalar, check_values, num_threads)
+
+
+def magicpig_decode_attention(query, projection, centres, segments, key_cache, value_cache, *, block_table,
+                              dense_ranges, scale: float, K: int, L: int, out, lse=None, sampled_counts=None,
+                              force_scalar: bool = False, check_values: bool = True,
+                              num_threads: int | None = None) -> int:
+    """As :func:`sparse_decode_attention`, in one native call that also hashes the queries (with
+    ``projection [D, K*L]``, the arithmetic of the segment build) and computes q . c: ``centres`` is a
+    list of R entries, each request's float32 centre ``[Hkv, D]``, or None for a request with no
+    segments (served exactly). Returns the sampled keys summed over requests and heads."""
+    _check_kl(K, L)
+    if not isinstance(centres, (list, tuple)):
+        raise TypeError(f"centres must be a list of R float32 [Hkv, D] tensors or None, got {type(centres).__name__}")
+
+    def shapes(R, H):
+        D, hkv = query.shape[2], key_cache.shape[2]
+        proj = _check_projection(projection, D, K, L)
+        if len(centres) != R:
+            raise ValueError(f"centres must have R={R} entries, got {len(centres)}")
+        ptrs = []
+        for r, c in enumerate(centres):
+            if c is None:
+                if segments[r]:
+                    raise ValueError(f"request {r} has segments but no centre")
+                ptrs.append(0)
+                continue
+            _tensor(f"centres[{r}]", c)
+            _dtype(f"centres[{r}]", c, (torch.float32,))
+            _shape(f"centres[{r}]", c, (hkv, D))
+            if not c.is_contiguous():
+                raise ValueError(f"centres[{r}] must be contiguous")
+            ptrs.append(c.data_ptr())
+        keep.append(proj)  # alive until the call returns
+        return 0, 0, proj.data_ptr(), ptrs
+
+    keep: list = []
+    return _decode(query, shapes, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
+                   sampled_counts, force_scalar, check_values, num_threads)
+
+
+def _decode(query, query_inputs, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
+            sampled_counts, force_scalar, check_values, num_threads) -> int:
+    """The checks and the native call shared by both decode entry points; ``query_inputs(R, H)``
+    checks their own inputs and returns (qcodes ptr, qdc ptr, projection ptr, centre ptrs)."""
     nt = _threads(num_threads)
-    for name, t in (("query", query), ("query_codes", query_codes), ("query_dot_centre", query_dot_centre),
-                    ("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table),
-                    ("dense_ranges", dense_ranges), ("out", out)):
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_table", block_table), ("dense_ranges", dense_ranges), ("out", out)):
         _tensor(name, t)
     _dtype("query", query, (torch.bfloat16, torch.float16, torch.float32))
     if query.dim() != 3:
@@ -305,10 +365,6 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
         raise TypeError(f"value_cache dtype {value_cache.dtype} must match key_cache dtype {key_cache.dtype}")
     if hkv <= 0 or H % hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({hkv})")
-    _dtype("query_codes", query_codes, (torch.int32,))
-    _shape("query_codes", query_codes, (R, H, L))
-    _dtype("query_dot_centre", query_dot_centre, (torch.float32,))
-    _shape("query_dot_centre", query_dot_centre, (R, H))
     _dtype("block_table", block_table, (torch.int32,))
     if block_table.dim() != 2 or block_table.shape[0] != R:
         raise ValueError(f"block_table must have shape [R={R}, max_blocks], got {list(block_table.shape)}")
@@ -337,32 +393,30 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
                 raise TypeError(f"segments[{r}] dtype {s.dtype} != cache dtype {key_cache.dtype}")
             row.append(s._c)
         seg_c.append(row)
+    qc_ptr, qdc_ptr, w_ptr, centre_ptrs = query_inputs(R, H)
     if R == 0:
-        return
-    # Value checks scan tensors; the backend's hot path skips them (check_values=False)
-    # because it built the codes, ranges and block table itself.
+        return 0
+    # The O(n) value scan of the ranges; the backend's hot path skips it (check_values=False)
+    # because it built the ranges and block table itself.
     if check_values:
-        if query_codes.numel() and (int(query_codes.min()) < 0 or int(query_codes.max()) >= (1 << K)):
-            raise ValueError(f"query_codes must lie in [0, 2^K={1 << K})")
         # Dense ranges must be ordered, inside the block table, and map to existing blocks.
         _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks)
 
     # The query goes in, and a bf16 / fp32 output comes out, in its own dtype: no conversion pass.
     q = query.contiguous()
-    qc = query_codes.contiguous()
-    qdc = query_dot_centre.contiguous()
     bt = block_table.contiguous()
     dr = dense_ranges.contiguous()
     direct = out.dtype in _OUT_CODE and out.is_contiguous()
     o = out if direct else torch.empty(R, H, D, dtype=torch.float32)
-    _C.sparse_decode(R, H, hkv, D, K, L, _DTYPE_CODE[key_cache.dtype], float(scale), q.data_ptr(),
-                     _Q_CODE[query.dtype], qc.data_ptr(), qdc.data_ptr(), seg_c,
-                     key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
-                     list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
-                     o.data_ptr(), _OUT_CODE[o.dtype], 0 if lse is None else lse.data_ptr(),
-                     0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt)
+    sampled = _C.sparse_decode(R, H, hkv, D, K, L, _DTYPE_CODE[key_cache.dtype], float(scale), q.data_ptr(),
+                               _Q_CODE[query.dtype], qc_ptr, qdc_ptr, w_ptr, centre_ptrs, seg_c,
+                               key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
+                               list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
+                               o.data_ptr(), _OUT_CODE[o.dtype], 0 if lse is None else lse.data_ptr(),
+                               0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt)
     if not direct:
         out.copy_(o)
+    return sampled
 
 
 def _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks) -> None:

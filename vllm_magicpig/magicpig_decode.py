@@ -1,8 +1,8 @@
 """The MAGICPIG decode method, and the production centrings.
 
 For every request planned sparse: its centre and segments come from the index (built from
-the KV cache on first need); then one ops call hashes the queries and one attends every
-decode request of the batch. Requests that are not sampled go through the same call with
+the KV cache on first need); then one ops call hashes the queries and attends every decode
+request of the batch. Requests that are not sampled go through the same call with
 their whole context as the exact part, so they are served exactly; a request whose segments
 do not fit under ``index_memory_mb`` is served that way too (reason ``evicted``).
 """
@@ -90,17 +90,15 @@ class MagicPigDecode:
 
         segments, served_centres, dense, result = index_sparse_requests(
             ctx, plan, lambda spec: centring(ctx, spec, kv), make_build)
-        centres = torch.zeros(R, ctx.num_kv_heads, 1, D, dtype=torch.float32)
+        centres: list[torch.Tensor | None] = [None] * R
         for r, centre in served_centres.items():
-            centres[r, :, 0] = centre
-        # q . c for every (request, query head) at once; zero for exact requests
-        qdc = (query.to(torch.float32).view(R, ctx.num_kv_heads, ctx.group, D) * centres).sum(-1).view(R, H)
+            centres[r] = centre.to(torch.float32).contiguous()  # no copy for the production centrings
+        # One native call: query hashing, q . c, retrieval and attention (requests without segments
+        # attend their whole context exactly in it, and sample nothing, so the total is the served ones').
         t0 = time.perf_counter()
-        codes = ops.hash_codes(query.reshape(R * H, D), ctx.projection, st.K, st.L).view(R, H, st.L)
-        counts = torch.zeros(R, H, dtype=torch.int64)
-        ops.attend(query, codes, qdc, segments, kv, plan.block_table, dense, ctx.scale, st.K, st.L, out, counts)
+        result.sampled = ops.attend_queries(query, ctx.projection, centres, segments, kv, plan.block_table, dense,
+                                            ctx.scale, st.K, st.L, out)
         rt.stats.sparse_seconds += time.perf_counter() - t0
-        result.sampled = int(counts[result.served].sum()) if result.served else 0
         return result
 
 

@@ -1,6 +1,6 @@
 """The ops seam between the device-agnostic decode path and a platform's kernels.
 
-The planner, the index and the decode methods call only these four operations, so a new
+The planner, the index and the decode methods call only these operations, so a new
 platform (the CUDA path's host-side kernel over mirrored pages) is a new implementation of
 :class:`SparseDecodeOps` beside :class:`CpuKernelOps`, not a rewrite of the layers above.
 """
@@ -34,6 +34,13 @@ class SparseDecodeOps(Protocol):
                lse: torch.Tensor | None = None) -> None:
         """One decode attention call for every request: sampled segments plus exact dense ranges
         (``lse``: the natural-log LSE per request and head, for merging with another part)."""
+
+    def attend_queries(self, query: torch.Tensor, projection: torch.Tensor, centres: list[torch.Tensor | None],
+                       segments: list[list[Any]], kv: KVViews, block_table: torch.Tensor, dense_ranges: torch.Tensor,
+                       scale: float, K: int, L: int, out: torch.Tensor) -> int:
+        """As :meth:`attend`, with the query codes and q . c computed in the same call from
+        ``projection`` and each request's centre (None: no segments); returns the sampled keys
+        summed over requests and heads. The CPU path's one native call per sparse layer."""
 
 
 class CpuKernelOps:
@@ -69,3 +76,9 @@ class CpuKernelOps:
             query, query_codes, query_dot_centre, segments, kv.key, kv.value, block_table=block_table,
             dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=sampled_counts,
             check_values=False, num_threads=self.num_threads)
+
+    def attend_queries(self, query, projection, centres, segments, kv, block_table, dense_ranges, scale, K, L, out):
+        return self._kernel.magicpig_decode_attention(
+            query, projection, centres, segments, kv.key, kv.value, block_table=block_table,
+            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, check_values=False,
+            num_threads=self.num_threads)
