@@ -321,3 +321,21 @@ def test_eval_override_target_cost_excludes_K_L():
     assert rt.step_settings().target_cost == 0.04
     eval_settings.set_eval(rt, K=9, L=120)
     assert rt.step_settings().target_cost is None and rt.step_settings().K == 9
+
+
+def test_eval_override_budget_max_L():
+    """The harness's budget rows with a larger L: max_L only with target_cost, in range; the runtime's
+    budget takes it and forgets the choices made under the old one, and goes back to the config's."""
+    rt = make_runtime()
+    with pytest.raises(ValueError, match="'max_L' applies only in budget mode"):
+        eval_settings.set_eval(rt, max_L=300)
+    with pytest.raises(ValueError, match="max_L"):
+        eval_settings.set_eval(rt, target_cost=0.02, max_L=1)
+    rt.budget._requests["stale"] = object()  # a choice made under the config's max_L
+    eval_settings.set_eval(rt, target_cost=0.02, max_L=300)
+    assert rt.budget.max_L == 300 and not rt.budget._requests
+    rt.budget._requests["kept"] = object()
+    eval_settings.set_eval(rt, target_cost=0.04, max_L=300)  # same max_L: choices kept
+    assert "kept" in rt.budget._requests
+    eval_settings.set_eval(rt)
+    assert rt.budget.max_L == rt.cfg.max_L and not rt.budget._requests

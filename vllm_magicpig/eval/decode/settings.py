@@ -52,6 +52,7 @@ class EvalOverride:
     budget_fraction: float | None = None
     quest_page_size: int | None = None
     target_cost: float | None = None  # budget mode at this target (K, L chosen per layer; excludes K and L)
+    max_L: int | None = None  # budget mode's largest L (with target_cost; None: the config's max_L)
     measure_error: bool = False  # record each served request's relative error vs exact attention
     calibrate: bool = False  # add decode requests' keys to the centring calibration
 
@@ -102,7 +103,7 @@ def init_runtime(runtime) -> None:
 
 def set_eval(runtime, **kw) -> dict:
     """Override decode settings (method, K, L, centering, budget_fraction, quest_page_size,
-    measure_error, calibrate); pass nothing to go back to the config. Centering may also be
+    target_cost and budget mode's max_L, measure_error, calibrate); pass nothing to go back to the config. Centering may also be
     one of the evaluation-only centrings of :mod:`vllm_magicpig.eval.decode.centring`."""
     if runtime is None:
         raise RuntimeError("magicpig_set_eval: this worker has no MAGICPIG layer (select --attention-backend MAGICPIG)")
@@ -127,6 +128,10 @@ def set_eval(runtime, **kw) -> dict:
             kw["target_cost"] = check_target_cost(kw["target_cost"])
             if kw.get("K") is not None or kw.get("L") is not None:
                 raise MagicPigConfigError("magicpig config: 'target_cost' chooses K and L per layer; give it or K/L")
+        if kw.get("max_L") is not None:
+            kw["max_L"] = check_int("max_L", kw["max_L"], L_RANGE)
+            if kw.get("target_cost") is None:
+                raise MagicPigConfigError("magicpig config: 'max_L' applies only in budget mode; add 'target_cost'")
     except MagicPigConfigError as e:  # the same checks as the config's, reported as a bad call
         raise ValueError(str(e).replace("magicpig config: ", "evaluation setting ")) from None
     if "centering" in kw:
@@ -139,6 +144,11 @@ def set_eval(runtime, **kw) -> dict:
     changes_index = any(getattr(old, k) != getattr(new, k) for k in ("K", "L", "centering"))
     ev.override = new
     _attach_observers(runtime, new)
+    # Budget mode's choices were made under the old largest L: forget them when it changes.
+    max_L = new.max_L if new.max_L is not None else runtime.cfg.max_L
+    if runtime.budget.max_L != max_L:
+        runtime.budget.max_L = max_L
+        runtime.budget.forget()
     if changes_index:
         runtime.clear_index()
         ev.per_key_cache.clear()
