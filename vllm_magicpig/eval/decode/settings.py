@@ -103,8 +103,9 @@ def init_runtime(runtime) -> None:
 
 def set_eval(runtime, **kw) -> dict:
     """Override decode settings (method, K, L, centering, budget_fraction, quest_page_size,
-    target_cost and budget mode's max_L, measure_error, calibrate); pass nothing to go back to the config. Centering may also be
-    one of the evaluation-only centrings of :mod:`vllm_magicpig.eval.decode.centring`."""
+    target_cost and budget mode's max_L, measure_error, calibrate); pass nothing to go back to the
+    config. Centering may also be one of the evaluation-only centrings of
+    :mod:`vllm_magicpig.eval.decode.centring`."""
     if runtime is None:
         raise RuntimeError("magicpig_set_eval: this worker has no MAGICPIG layer (select --attention-backend MAGICPIG)")
     allowed = {f.name for f in dataclasses.fields(EvalOverride)}
