@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -213,10 +214,21 @@ std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const ui
 // order, their ids shifted by the part's first token (so ids stay ascending inside a bucket, as a
 // stable sort of the concatenation leaves them). Each id is read and written once, in runs; a
 // decode that grows a 16K-token segment by 512 tokens used to recover every code and re-sort them.
+//
+// Two parts into a dense output (B <= n: every decode growth of a segment past 1K tokens, [held
+// segment, new tokens]) go through merge_two_into_dense instead: the bucket-major loop paid a few
+// branches per (bucket, part), 460K of them for SmolLM2's 3 heads x 150 tables x 1024 buckets,
+// whatever the token count, so growing a segment by 512 tokens cost ~7 ms before an id moved.
+static void merge_two_into_dense(Segment& s, const Segment& a, const Segment& b, int nt);
+
 static void merge_tables(Segment& s, const std::vector<SegmentPtr>& parts, int nt) {
   const int T = s.hkv * s.L, n = s.n, P = static_cast<int>(parts.size());
   const uint32_t B = 1u << s.K;
   CompactDir dir = size_tables(s);
+  if (s.dense_dir && P == 2) {
+    merge_two_into_dense(s, *parts[0], *parts[1], nt);
+    return;
+  }
   auto& uc = dir.codes;
   auto& us = dir.starts;
   bool any_dense = false;
@@ -275,6 +287,54 @@ static void merge_tables(Segment& s, const std::vector<SegmentPtr>& parts, int n
     }
   }
   finish_compact_dir(s, dir);
+}
+
+// Bucket starts of table t of q in dense form: dense[b] = first id position of bucket b, dense[B] = q.n.
+static const uint16_t* dense_starts(const Segment& q, int t, uint32_t B, uint16_t* scratch) {
+  if (q.dense_dir) return q.dense_offsets(t);
+  uint32_t b = 0;  // an empty bucket starts where the next non-empty one does (q.n past the last)
+  for (uint32_t j = q.dir_begin[t]; j < q.dir_begin[t + 1]; ++j)
+    for (const uint32_t code = q.ucode[j]; b <= code; ++b) scratch[b] = q.ustart[j];
+  for (; b <= B; ++b) scratch[b] = static_cast<uint16_t>(q.n);
+  return scratch;
+}
+
+// Per table, with sa / sb the parts' dense bucket starts: merged bucket c starts at sa[c] + sb[c].
+// a's ids keep their values and move by sb[c], which is constant between two non-empty buckets
+// of b, so they go in one block copy per non-empty bucket of b; b's runs follow, shifted by a.n.
+static void merge_two_into_dense(Segment& s, const Segment& a, const Segment& b, int nt) {
+  const int T = s.hkv * s.L, n = s.n;
+  const uint32_t B = 1u << s.K;
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<uint16_t> scratch_a(B + 1), scratch_b(B + 1);
+#pragma omp for schedule(dynamic)
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* sa = dense_starts(a, t, B, scratch_a.data());
+      const uint16_t* sb = dense_starts(b, t, B, scratch_b.data());
+      uint16_t* o = s.off.data() + static_cast<size_t>(t) * (B + 1);
+      for (uint32_t c = 0; c <= B; ++c) o[c] = static_cast<uint16_t>(sa[c] + sb[c]);  // <= n, which fits
+      uint16_t* out = s.ids.data() + static_cast<size_t>(t) * n;
+      const uint16_t* ia = a.table_ids(t);
+      const uint16_t* ib = b.table_ids(t);
+      const uint16_t shift = static_cast<uint16_t>(a.n);
+      int done_a = 0;                    // a's ids copied so far (those of buckets below the current one)
+      auto run_of_b = [&](uint32_t c) {  // a's ids of buckets (previous, c], then b's bucket c
+        const int end_a = sa[c + 1];
+        std::memcpy(out + done_a + sb[c], ia + done_a, static_cast<size_t>(end_a - done_a) * sizeof(uint16_t));
+        done_a = end_a;
+        uint16_t* dst = out + end_a + sb[c];
+        for (int i = sb[c]; i < sb[c + 1]; ++i) *dst++ = static_cast<uint16_t>(ib[i] + shift);
+      };
+      if (b.dense_dir) {
+        for (uint32_t c = 0; c < B; ++c)
+          if (sb[c + 1] > sb[c]) run_of_b(c);
+      } else {
+        for (uint32_t j = b.dir_begin[t]; j < b.dir_begin[t + 1]; ++j) run_of_b(b.ucode[j]);
+      }
+      std::memcpy(out + done_a + b.n, ia + done_a, static_cast<size_t>(a.n - done_a) * sizeof(uint16_t));
+    }
+  }
 }
 
 std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, int num_threads) {

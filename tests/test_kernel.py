@@ -375,11 +375,14 @@ def test_long_context_64k():
 
 def test_merge_equals_single_build():
     seed, gen = new_seed()
-    # K=8: every part has a dense bucket directory; K=14: every part a compact one; K=10: a dense
-    # part (1500 >= 2^10 tokens) then a compact one (500), merged into a dense one (as decode grows a
-    # long segment); K=11: two compact parts merged into a dense one.
-    for K, L, sizes in ((8, 40, [700, 300, 1000]), (14, 12, [700, 300, 1000]), (10, 30, [1500, 500]),
-                        (11, 20, [1000, 1000])):
+    # K=8: every part has a dense bucket directory; K=14: every part a compact one; K=11: two compact
+    # parts into a compact one (the general bucket-by-bucket merge). Two parts into a dense directory
+    # take the block-copy path (as decode grows a long segment): K=10 dense + compact (1500 >= 2^10
+    # tokens, then 500), dense + a 10-token part (most buckets empty), compact + dense, compact +
+    # compact into dense (1000 + 1000), and K=8 dense + dense.
+    for K, L, sizes in ((8, 40, [700, 300, 1000]), (14, 12, [700, 300, 1000]), (11, 20, [1000, 1000]),
+                        (10, 30, [1500, 500]), (10, 30, [1990, 10]), (10, 30, [500, 1500]),
+                        (10, 30, [1000, 1000]), (10, 30, [1200, 800]), (8, 40, [1200, 800])):
         c = Case(gen, [2500], 2, 3, 64, K, L, seg_sizes=[sizes])
         keys, vals = c.ctx[0]
         whole = kx.build_segment(keys[4:2004], vals[4:2004], c.centres[0], c.W, K, L)
