@@ -261,20 +261,25 @@ def test_kv_write_into_an_indexed_block_drops_what_was_built_from_it(vllm_env):
 
 
 def test_growth_merges_instead_of_rebuilding(vllm_env):
-    """Decoding past a segment_tokens boundary grows the last segment by merging."""
+    """Decoding past segment_tokens boundaries indexes only the new tokens: the decoded tokens get a
+    segment of their own, which then grows by merging, while the prompt's segment stays as it was
+    (shared by every request over the prompt): nothing of the prompt is hashed again."""
     h = harness(vllm_env, BatchSpec([2000], [1]), K=1, L=64, segment_tokens=256, num_blocks=None)
-    h.step()
-    h.keys[0] = torch.cat([h.keys[0], (torch.randn(300, HKV, D, generator=h.gen) + h.offset).bfloat16()])
-    h.values[0] = torch.cat([h.values[0], torch.randn(300, HKV, D, generator=h.gen).bfloat16()])
-    h.block_table = torch.cat([h.block_table, torch.zeros(1, 3, dtype=torch.int32)], dim=1)
+    h.step()  # the prompt's segment: tokens [4, 1792)
+    h.keys[0] = torch.cat([h.keys[0], (torch.randn(560, HKV, D, generator=h.gen) + h.offset).bfloat16()])
+    h.values[0] = torch.cat([h.values[0], torch.randn(560, HKV, D, generator=h.gen).bfloat16()])
+    h.block_table = torch.cat([h.block_table, torch.zeros(1, 4, dtype=torch.int32)], dim=1)
     free = sorted(set(range(h.cache.shape[0])) - set(h.block_table[0, :16].tolist()))
-    h.block_table[0, 16:19] = torch.tensor(free[:3], dtype=torch.int32)
-    h.write(0, 2000, 2299)
-    h.spec = BatchSpec([2300], [1])
-    out, ref, _ = h.step()
-    st = h.stats()
-    assert st["index"]["segments_merged"] >= 1 and st["index"]["segments_built"] == 2, st
-    assert rel_err(out[0], ref[0]) < 2e-2
+    h.block_table[0, 16:20] = torch.tensor(free[:4], dtype=torch.int32)
+    h.write(0, 2000, 2559)
+    for seq, built, merged in ((2300, 2, 0), (2560, 3, 1)):  # covered to 2048 (a new segment), then 2304 (merge)
+        h.spec = BatchSpec([seq], [1])
+        out, ref, _ = h.step()
+        st = h.stats()["index"]
+        assert st["segments_built"] == built and st.get("segments_merged", 0) == merged, st
+        assert rel_err(out[0], ref[0]) < 2e-2
+    assert st["tokens_indexed"] == (1792 - 4) + 256 + 256, st  # the prompt once, then only new tokens
+    assert st["segments_live"] == 2, st  # the prompt's segment and the grown one (its base dropped)
 
 
 def test_a_host_mirror_copies_completed_blocks_in_sparse_layers_and_gates_coverage(vllm_env):

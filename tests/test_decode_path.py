@@ -65,6 +65,25 @@ def test_segment_layout_is_few_full_segments_and_one_growing(end, unit, largest)
     assert longer[: len(segs) - 1] == segs[:-1]
 
 
+@pytest.mark.parametrize("prompt_end,unit,largest", [(16384, 512, 32768), (40960, 512, 32768), (512, 512, 4096)])
+def test_prompt_segments_never_change_as_decoding_grows(prompt_end, unit, largest):
+    """The prompt's segments (up to the tokens covered at its first decode) stay as they are while
+    decoded tokens are covered: those get segments of their own, starting at the prompt's end,
+    whose last one grows a unit at a time."""
+    prompt = segment_layout(prompt_end, unit, largest, prompt_end)
+    assert prompt == segment_layout(prompt_end, unit, largest)  # nothing decoded yet: the plain layout
+    for extra in range(unit, 3 * largest, 7 * unit):
+        segs = segment_layout(prompt_end + extra, unit, largest, prompt_end)
+        assert segs[: len(prompt)] == prompt
+        decoded = segs[len(prompt):]
+        assert decoded[0][0] == prompt_end and sum(size for _, size in decoded) == extra
+        assert all(size == largest for _, size in decoded[:-1]) and 0 < decoded[-1][1] <= largest
+        assert all(size % unit == 0 for _, size in decoded)
+    # covered short of the prompt's end (a GPU mirror still copying): the prompt's part grows
+    assert segment_layout(prompt_end - unit, unit, largest, prompt_end) == segment_layout(prompt_end - unit, unit,
+                                                                                          largest)
+
+
 def _exact(q, keys, values, scale, group):
     k = keys.float().repeat_interleave(group, 1)
     v = values.float().repeat_interleave(group, 1)
@@ -101,7 +120,7 @@ def test_baselines_full_budget_is_exact_and_small_budget_is_not(method):
 def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
     """The whole per-layer path (planner, centre, segments with levels, vLLM cache reads,
     kernel) equals the float64 estimator over the same codes, before and after the
-    context grows enough for segments to merge."""
+    context grows enough for the decoded tokens' segment to be built and then to merge."""
     from vllm_magicpig.eval import reference
 
     seed = torch.seed() % 2**31
@@ -110,7 +129,7 @@ def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
     H = hkv * group
     cfg = MagicPigConfig(segment_tokens=256, min_sparse_context=512)
     lens = [1400, 2300]
-    grow = 600  # enough to move covered_end over unit boundaries (new segments, merges)
+    grow = 600  # in two steps: covered_end passes one unit boundary (the decoded tokens' segment), then another (merge)
     nbr = math.ceil((max(lens) + grow) / block)
     cache = torch.zeros(1 + 2 * nbr, hkv, block, 2 * d, dtype=torch.bfloat16)
     bt = (torch.randperm(2 * nbr, generator=g) + 1).view(2, nbr).to(torch.int32)  # disjoint, shuffled
@@ -125,7 +144,7 @@ def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
     planner = StepPlanner(cfg, block, rt.index)
     settings = StepSettings("magicpig", 10, 150, "request")
     built_before = None
-    for step, extra in enumerate((0, grow)):
+    for step, extra in enumerate((0, grow // 2, grow)):
         seq = torch.tensor([n + extra for n in lens], dtype=torch.int32)
         plan = planner.plan(FakeCam(seq, bt), len(lens), settings)
         assert plan.sparse == [0, 1], f"seed {seed}"

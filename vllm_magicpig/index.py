@@ -8,11 +8,12 @@ so everything here is keyed by KV block ids:
   finds its centre as the longest registered block run that prefixes its block table,
   so requests whose prompts share those blocks (prefix caching) share the centre.
 * A **segment** is an LSH index over a run of full blocks, keyed by
-  ``(centre id, first token, size, block ids)``. A context is cut into full segments of
-  ``max_segment_tokens`` and one last segment that grows in steps of ``segment_tokens``
-  by merging (levels: the new tokens are indexed alone, then concatenated bucket by
-  bucket), so lookups stay few at long context and the uncovered tail stays under
-  ``segment_tokens``.
+  ``(centre id, first token, size, block ids)``. A prompt is cut into segments of at most
+  ``max_segment_tokens`` at its first decode, which never change (requests over the same
+  prompt share them); the decoded tokens get segments of their own, the last of which grows
+  in steps of ``segment_tokens`` by merging (the new tokens are indexed alone, then
+  concatenated bucket by bucket), so lookups stay few at long context and the uncovered tail
+  stays under ``segment_tokens`` (``planner.segment_layout``).
 * Full KV blocks are immutable while allocated, so a KV write into a block that a
   centre or segment covers means vLLM freed and reused it: those entries are dropped.
 * The store is capped (``index_memory_mb``); least recently used segments go first.

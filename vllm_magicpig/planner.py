@@ -83,18 +83,27 @@ class StepHostView:
         return cls(seq, table, slot_mapping, num_reqs)
 
 
-def segment_layout(covered_end: int, unit: int, largest: int) -> list[tuple[int, int]]:
-    """Split [0, covered_end) into full segments of ``largest`` tokens and one growing last
-    segment (a multiple of ``unit``).
+def segment_layout(covered_end: int, unit: int, largest: int, prompt_end: int = 0) -> list[tuple[int, int]]:
+    """Split [0, covered_end) into segments: up to ``prompt_end`` (the tokens covered at the
+    prompt's first decode, a multiple of ``unit``), full segments of ``largest`` tokens and one
+    last segment; past it, the same again for the decoded tokens, whose last segment grows (a
+    multiple of ``unit``).
 
-    Every segment costs L bucket lookups per query head per step, about as much as
-    attending ~``unit`` tokens exactly, so a context is held in as few segments as
-    possible: the last one grows by merging (no re-hashing) as decoding fills blocks.
+    Every segment costs L bucket lookups per query head per step, about as much as attending
+    ~``unit`` tokens exactly, so a context is held in as few segments as possible, and the
+    growing one grows by merging (no re-hashing) as decoding fills blocks. The prompt's segments
+    never grow: every request over the same prompt (prefix caching) shares them, while decoded
+    tokens are a request's own, and a merge copies its base (a 16K-token prompt's last segment
+    copied at every 512-token step, and dropped after it, left the next request over the prompt
+    to rebuild it whole).
     """
-    full = (covered_end // largest) * largest
-    out = [(pos, largest) for pos in range(0, full, largest)]
-    if covered_end > full:
-        out.append((full, covered_end - full))
+    out = []
+    for lo, hi in ((0, min(covered_end, prompt_end)), (prompt_end, covered_end)):
+        pos = lo
+        while pos < hi:
+            size = min(largest, hi - pos)
+            out.append((pos, size))
+            pos += size
     return out
 
 
@@ -202,7 +211,8 @@ class StepPlanner:
                     plan.exact_reason[r] = EXACT_NOT_MIRRORED
                     continue
             refs = []
-            for start, size in segment_layout(covered_end, self.unit, self.largest):
+            prompt_end = (spec.end // self.unit) * self.unit  # covered at the prompt's first decode
+            for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
             if background and not self.indexer.ready(spec, refs, settings):
