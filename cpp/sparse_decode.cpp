@@ -23,6 +23,17 @@ namespace {
 
 thread_local Scratch tls_scratch;
 
+// Query row ``row`` (= request * H + head) of q, in float: the attention and the query hashing
+// read the same values.
+void query_row_to_float(const AttnArgs& args, size_t row, float* out) {
+  if (args.q_dtype == FP32) {
+    std::memcpy(out, static_cast<const float*>(args.q) + row * args.d, args.d * sizeof(float));
+  } else {
+    const uint16_t* q16 = static_cast<const uint16_t*>(args.q) + row * args.d;
+    for (int j = 0; j < args.d; ++j) out[j] = to_f(q16[j], args.q_dtype);
+  }
+}
+
 Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scratch) {
   Heads heads;
   heads.G = unit.G;
@@ -32,12 +43,7 @@ Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scrat
   for (int g = 0; g < unit.G; ++g) {
     const size_t h = h0 + g;
     float* qf = scratch.qf.data() + static_cast<size_t>(g) * args.d;
-    if (args.q_dtype == FP32) {
-      std::memcpy(qf, static_cast<const float*>(args.q) + h * args.d, args.d * sizeof(float));
-    } else {
-      const uint16_t* q16 = static_cast<const uint16_t*>(args.q) + h * args.d;
-      for (int j = 0; j < args.d; ++j) qf[j] = to_f(q16[j], args.q_dtype);
-    }
+    query_row_to_float(args, h, qf);
     heads.q[g] = qf;
     double ss = 0;
     for (int j = 0; j < args.d; ++j) ss += static_cast<double>(heads.q[g][j]) * heads.q[g][j];
@@ -65,12 +71,7 @@ void prepare_queries(const AttnArgs& args, int nt, std::vector<int32_t>& qcodes,
     for (int h = 0; h < H; ++h) {
       const size_t row = static_cast<size_t>(r) * H + h;
       float* x = qf.data() + static_cast<size_t>(h) * d;
-      if (args.q_dtype == FP32) {
-        std::memcpy(x, static_cast<const float*>(args.q) + row * d, d * sizeof(float));
-      } else {
-        const uint16_t* q16 = static_cast<const uint16_t*>(args.q) + row * d;
-        for (int j = 0; j < d; ++j) x[j] = to_f(q16[j], args.q_dtype);
-      }
+      query_row_to_float(args, row, x);
       const float* c = centre + static_cast<size_t>(h / G) * d;
       double dot = 0;
       for (int j = 0; j < d; ++j) dot += static_cast<double>(x[j]) * c[j];

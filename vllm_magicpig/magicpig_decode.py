@@ -81,7 +81,7 @@ class MagicPigDecode:
     def forward(self, ctx: LayerContext, query: torch.Tensor, kv: KVViews, plan: DecodePlan,
                 out: torch.Tensor) -> DecodeResult:
         rt, st = ctx.runtime, ctx.settings
-        R, H, D = query.shape
+        R = query.shape[0]
         ops = rt.ops
         centring = decode_methods.get_centring(st.centering)
 
