@@ -29,6 +29,8 @@ import os
 import time
 from pathlib import Path
 
+from vllm_magicpig.budget import DEFAULT_MAX_L
+
 RESULTS = Path(__file__).resolve().parent / "results"
 NATIVE_LEN = 8192
 TOLERANCE = 0.25
@@ -57,9 +59,10 @@ def run_engine(model, max_len, contexts, targets, args, log):
 
     from vllm_magicpig.eval.tasks import long_text
 
-    # cost_model off: every decode is sampled (this measures the fraction, not speed)
+    # cost_model and background indexing off: every decode is sampled (this measures the fraction, not speed)
     magicpig = {"target_cost": targets[0], "log_stats_interval": 0, "calibration_decodes": args.calibration_decodes,
-                "index_memory_mb": args.index_mb, "cost_model": False}
+                "max_L": args.max_L, "index_memory_mb": args.index_mb, "cost_model": False,
+                "background_index": False}
     t0 = time.perf_counter()
     llm = _engine(model, max_len, magicpig, args.kv_space)
     tok = llm.get_tokenizer()
@@ -91,7 +94,8 @@ def run_engine(model, max_len, contexts, targets, args, log):
                 for name, entry in snap["budget"]["layers"].items():
                     c = entry.get(f"{target:g}")
                     if c:
-                        kl[name] = (c["K"], c["L"], c["model_fraction"], c["refined"])
+                        kl[name] = (c["K"], c["L"], c["model_fraction"], c["refined"], c["L_built"], c["steered"],
+                                    c["L_range"])
             row = dict(context=ctx, prompt_tokens=n, target=target, decode_s=round(secs, 1),
                        decode_sparse=snap["decode_sparse"], overall=snap["sampled_fraction"],
                        per_layer=per_layer, kl=kl)
@@ -118,23 +122,25 @@ def write_report(rows, args, out: Path, total_s: float, command: str) -> None:
              f"Command: `{command}`", "",
              f"Total time {total_s / 60:.1f} min on a 2-core machine (prefill dominates: the 16K prompt alone "
              "takes several minutes). Each request chooses its (K, L) per sparse layer at its first decode from "
-             f"its own query/key angles and refines it over its first {args.calibration_decodes} decodes; every "
+             f"its own query/key angles (L <= {args.max_L}) and refines it over its first {args.calibration_decodes} "
+             "decodes, then steers L within 1.25x the chosen L tables every 8 decodes by the fraction sampled; every "
              "decode is sampled and counted. Prompts: Britannica prose (seed = context length). "
              f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2.", "",
              "| context | target | overall | min layer | max layer | layers within +-25% | worst rel. error "
-             "| K range | L range | layers refined |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| K range | L range (read) | layers refined | steers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fr = [v for v in r["per_layer"].values() if v is not None]
         if r["target"] == "default":
             lines.append(f"| {r['context']} | (10,150) | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | - | - "
-                         "| 10 | 150 | - |")
+                         "| 10 | 150 | - | - |")
             continue
         ks = [v[0] for v in r["kl"].values()]
         ls = [v[1] for v in r["kl"].values()]
         lines.append(f"| {r['context']} | {r['target']:.0%} | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | "
                      f"{r['within']}/{len(fr)} | {r['worst_rel']:+.0%} | {min(ks)}..{max(ks)} | "
-                     f"{min(ls)}..{max(ls)} | {sum(v[3] for v in r['kl'].values())} |")
+                     f"{min(ls)}..{max(ls)} | {sum(v[3] for v in r['kl'].values())} | "
+                     f"{sum(v[5] for v in r['kl'].values() if len(v) > 5)} |")
     lines += ["", "Per layer: fraction achieved in % (the request's final K/L in that layer):", ""]
     targets = [t for t in args.targets]
     ctxs = sorted({r["context"] for r in rows})
@@ -162,6 +168,7 @@ def main() -> None:
     ap.add_argument("--targets", default="0.01,0.02,0.04")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--calibration-decodes", type=int, default=8, help="decodes whose angles refine a request's choice")
+    ap.add_argument("--max-L", dest="max_L", type=int, default=DEFAULT_MAX_L, help="budget mode's largest L")
     ap.add_argument("--kv-space", type=int, default=3)
     ap.add_argument("--index-mb", type=int, default=4096)
     ap.add_argument("--out", default=str(RESULTS / "budget_fraction"))

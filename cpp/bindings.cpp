@@ -176,7 +176,8 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t qdc, uintptr_t w, const std::vector<uintptr_t>& centres,
          const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc, std::vector<int64_t> ks,
          uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size, uintptr_t ranges,
-         uintptr_t out, int out_dtype, uintptr_t lse, uintptr_t counts, bool force_scalar, int num_threads) {
+         uintptr_t out, int out_dtype, uintptr_t lse, uintptr_t counts, bool force_scalar, int num_threads,
+         int L_read) {
         const char* fn = "sparse_decode";
         require(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
                 std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
@@ -187,6 +188,9 @@ PYBIND11_MODULE(_C, m) {
                 std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
         check_head_dim(fn, d);
         check_kl(fn, K, L);
+        if (L_read == 0) L_read = L;
+        require(L_read >= 2 && L_read <= L,
+                std::string(fn) + ": L_read must be in 2..L (" + num(L) + ") or 0 for L, got " + num(L_read));
         check_dtype(fn, dtype);
         require(ks.size() == 4 && vs.size() == 4, std::string(fn) + ": cache strides must have 4 entries");
         require(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
@@ -225,6 +229,7 @@ PYBIND11_MODULE(_C, m) {
         a.d = d;
         a.K = K;
         a.L = L;
+        a.L_read = L_read;
         a.dtype = dtype;
         a.scale = scale;
         a.q = ptr<const void>(q);
@@ -259,7 +264,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("scale"), py::arg("q"), py::arg("q_dtype"), py::arg("qcodes"), py::arg("qdc"), py::arg("w"),
       py::arg("centres"), py::arg("segs"), py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"),
       py::arg("max_blocks"), py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("out_dtype"),
-      py::arg("lse"), py::arg("counts"), py::arg("force_scalar"), py::arg("num_threads") = 0);
+      py::arg("lse"), py::arg("counts"), py::arg("force_scalar"), py::arg("num_threads") = 0, py::arg("L_read") = 0);
 
   m.def(
       "set_profiling",

@@ -216,6 +216,10 @@ void recover_codes(const Segment& s, int t, uint16_t* codes);
 // ---- attention (sparse_decode.cpp) ----
 struct AttnArgs {
   int R, H, hkv, d, K, L, dtype;  // R: requests, H: query heads, hkv: KV heads
+  // Tables read, <= L: a key is sampled on >= 2 collisions among the first L_read of the segments'
+  // L tables, and weighted for (K, L_read).  Budget mode steers the sampled fraction with it without
+  // rehashing: the first L_read tables of a segment are exactly a segment of L_read tables.
+  int L_read;
   float scale;
   const void* q;                // [R][H][d] of q_dtype
   int q_dtype;                  // BF16 (enables the avx512bf16 dot on a bf16 cache), FP16 or FP32

@@ -14,16 +14,17 @@ namespace mp {
 // ascending order, so neither a sort nor a per-token epoch is needed.
 void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* counts) {
   const Segment& seg = *unit.seg;
-  const int G = unit.G, L = args.L, words = (seg.n + 63) / 64;
+  // L strides the codes and the tables; only the first L_read are walked
+  const int G = unit.G, L = args.L, L_read = args.L_read, words = (seg.n + 63) / 64;
   const int32_t* qc = args.qcodes + (static_cast<size_t>(unit.r) * args.H + unit.h0) * L;
   auto code = [&](int g, int l) { return static_cast<uint32_t>(qc[static_cast<size_t>(g) * L + l]); };
   // The index is far larger than the caches, so each (table, head) bucket costs two DRAM misses
   // (directory, then ids).  Resolve all bucket ranges first with prefetches in flight, so the
   // misses overlap instead of serialising inside the walk.
-  scratch.buckets.resize(static_cast<size_t>(L) * G);
-  for (int l = 0; l < L; ++l)
+  scratch.buckets.resize(static_cast<size_t>(L_read) * G);
+  for (int l = 0; l < L_read; ++l)
     for (int g = 0; g < G; ++g) seg.prefetch_bucket(unit.kvh * L + l, code(g, l));
-  for (int l = 0; l < L; ++l) {
+  for (int l = 0; l < L_read; ++l) {
     const int t = unit.kvh * L + l;
     for (int g = 0; g < G; ++g) {
       const Segment::Bucket b = seg.bucket(t, code(g, l));
@@ -37,7 +38,7 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   uint64_t* hits = scratch.hits.data();
   for (int g = 0; g < G; ++g) {
     std::memset(hits, 0, static_cast<size_t>(words) * 2 * sizeof(uint64_t));
-    for (int l = 0; l < L; ++l) {
+    for (int l = 0; l < L_read; ++l) {
       const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
       const Segment::Bucket b = scratch.buckets[l * G + g];
       for (int i = b.begin; i < b.end; ++i) {

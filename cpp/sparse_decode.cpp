@@ -97,7 +97,7 @@ int64_t sparse_decode(const AttnArgs& in) {
   Isa isa = resolve_isa(args.force_scalar);
   // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
   if (isa == Isa::Avx512Bf16 && !(args.q_dtype == BF16 && args.dtype == BF16)) isa = Isa::Avx512;
-  const float* neg_log_u_table = corr_table(args.K, args.L);
+  const float* neg_log_u_table = corr_table(args.K, args.L_read);
   const int nt = team_size(args.num_threads);
   // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
   // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic

@@ -205,10 +205,11 @@ def synthetic_context(gen, n, hkv, D, topics, spread):
     return keys, vals, centre, U
 
 
-def synthetic_queries(gen, R, hkv, G, D, U):
+def synthetic_queries(gen, R, hkv, G, D, U, strength=1.5):
+    """Queries near the keys' topic directions (``strength``: how near; lower samples fewer keys)."""
     topics = U.shape[1]
     tq = torch.randint(topics, (R, hkv, G), generator=gen)
-    q = 1.5 * U[torch.arange(hkv)[None, :, None], tq] + torch.randn(R, hkv, G, D, generator=gen) / math.sqrt(D)
+    q = strength * U[torch.arange(hkv)[None, :, None], tq] + torch.randn(R, hkv, G, D, generator=gen) / math.sqrt(D)
     return q.reshape(R, hkv * G, D).bfloat16()
 
 
@@ -286,11 +287,11 @@ def _layer_setup(target=0.02, calibration_decodes=2, contexts=((3000, 0.5),)):
     return g, rt, layer, planner, cache, bt, [U for _, _, _, U in ctxs], seq
 
 
-def _step(g, layer, planner, cache, bt, Us, seq, settings, rows=None):
+def _step(g, layer, planner, cache, bt, Us, seq, settings, rows=None, strength=1.5):
     """One decode step of every request (or of ``rows``): (plan, output)."""
     rows = list(range(len(Us))) if rows is None else rows
     plan = planner.plan(FakeCam(seq[rows], bt[rows]), len(rows), settings)
-    q = torch.cat([synthetic_queries(g, 1, 1, 3, 64, Us[r]) for r in rows])
+    q = torch.cat([synthetic_queries(g, 1, 1, 3, 64, Us[r], strength) for r in rows])
     out = torch.full((len(rows), 3, 64), float("nan"), dtype=torch.bfloat16)
     layer.forward(q, layer.begin(cache, plan), plan, out)
     return plan, q, out
@@ -300,11 +301,14 @@ def test_layer_samples_from_the_first_decode_with_the_requests_own_KL():
     g, rt, layer, planner, cache, bt, Us, seq = _layer_setup()
     settings = StepSettings.from_config(rt.cfg)
     assert settings.target_cost == 0.02
-    kls = []
+    kls, built = [], set()
     for _ in range(5):
         plan, _, out = _step(g, layer, planner, cache, bt, Us, seq, settings)
         assert plan.sparse == [0] and not out.isnan().any()
-        kls.append((layer.ctx.settings.K, layer.ctx.settings.L))
+        st = layer.ctx.settings  # segments hashed with L = the tables built; the kernel reads L_read
+        kls.append((st.K, st.L_read))
+        built.add((st.K, st.L))
+        assert st.L == bm.built_tables(st.L_read) or st.L_read < st.L  # a refinement may read fewer
     st = rt.stats.snapshot()
     assert st["decode_exact"] == {} and st["decode_sparse"] == 5  # nothing served exactly to calibrate
     entry = st["budget"]["layers"][layer.ctx.name]["0.02"]
@@ -316,7 +320,7 @@ def test_layer_samples_from_the_first_decode_with_the_requests_own_KL():
     assert "budget[target 2.00%: 1 layers" in rt.stats.summary_line()
     # every segment in the index was hashed with a (K, L) the request ran, and is stored under it
     owners = {owner for owner, _ in rt.index._segments}
-    assert owners == {segment_owner(layer.ctx.name, K, L) for K, L in set(kls)}
+    assert owners == {segment_owner(layer.ctx.name, K, L) for K, L in built}
     assert all((s.K, s.L) == owner[1:] for (owner, _), s in rt.index._segments.items())
 
 
@@ -352,9 +356,87 @@ def test_a_second_target_chooses_again_and_never_reads_the_first_targets_segment
     a, b = layers["0.02"], layers["0.04"]
     assert (a["K"], a["L"]) != (b["K"], b["L"]) and a["choices"] == 1  # the 2% choice was remembered
     owners = {owner for owner, _ in rt.index._segments}
-    assert owners == {segment_owner(layer.ctx.name, a["K"], a["L"]), segment_owner(layer.ctx.name, b["K"], b["L"])}
+    assert owners == {segment_owner(layer.ctx.name, a["K"], a["L_built"]),
+                      segment_owner(layer.ctx.name, b["K"], b["L_built"])}
+    assert a["L_built"] == bm.built_tables(a["L"]) and b["L_built"] == bm.built_tables(b["L"])
     for (owner, _), seg in rt.index._segments.items():
         assert (seg.K, seg.L) == owner[1:]
+
+
+def _choice_on(hist, target, calibration_decodes=1):
+    b = bm.Budget(max_L=300, calibration_decodes=calibration_decodes)
+    return b, b.request_choice("layer", 7, target, 5000, lambda: hist.clone())
+
+
+def test_steering_moves_L_toward_the_target_within_the_tables_built():
+    """Per STEER_DECODES decodes of measured fraction: within the band nothing moves; under the target
+    L grows, over it L shrinks, to where the model scaled by measured / expected meets the target,
+    within the tables built (K and the tables unchanged: no rehash); a drift the tables built cannot
+    reach chooses (K, L) again for the drifted queries (rehashed); nothing is steered while the
+    request still calibrates."""
+    g = torch.Generator().manual_seed(3)
+    keys, _, centre, U = synthetic_context(g, 4096, 1, 64, topics=4, spread=0.5)
+    hist = bm.angle_histogram(synthetic_queries(g, 1, 1, 3, 64, U)[0], keys.float() - centre)
+    target, n = 0.02, 1000
+
+    def feed(b, frac, decodes=bm.STEER_DECODES):
+        for _ in range(decodes):
+            b.add_request_sampled("layer", 7, target, round(frac * n), n)
+        return b.request_choice("layer", 7, target, 5000, lambda: pytest.fail("angles after the choice"))
+
+    b, c0 = _choice_on(hist, target)
+    assert c0.L_built == bm.built_tables(c0.L) > c0.L
+    assert feed(b, target * 1.05) == c0  # inside the band
+    assert feed(b, target * 0.85, bm.STEER_DECODES - 1) == c0  # a window not yet full
+    up = feed(b, target * 0.85, 1)
+    assert (up.K, up.L_built) == (c0.K, c0.L_built) and c0.L < up.L <= up.L_built
+    ratio = 0.85 * target / bm.expected_fraction(hist, c0.K, c0.L)
+    assert abs(ratio * bm.expected_fraction(hist, up.K, up.L) - target) < 0.15 * target / 2
+    down = feed(b, target * 2.0)
+    assert (down.K, down.L_built) == (c0.K, c0.L_built) and down.L < up.L
+    entry = b.snapshot()["budget"]["layers"]["layer"]["0.02"]
+    assert (entry["steered"], entry["rehashed"], entry["choices"]) == (2, 0, 1)
+    # far under at every table built: chosen again, for a model fraction the measured ratio scales to target
+    again = feed(b, target * 0.3)
+    assert again.K < c0.K or again.L_built > c0.L_built
+    ratio = 0.3 * target / bm.expected_fraction(hist, down.K, down.L)
+    assert abs(ratio * again.model_fraction / target - 1) < 0.1
+    entry = b.snapshot()["budget"]["layers"]["layer"]["0.02"]
+    assert (entry["steered"], entry["rehashed"], entry["L_built"]) == (3, 1, again.L_built)
+    b2, first = _choice_on(hist, target, calibration_decodes=4)
+    for _ in range(2 * bm.STEER_DECODES):  # still calibrating: its window is not kept
+        b2.add_request_sampled("layer", 7, target, round(0.2 * target * n), n)
+    assert b2.snapshot()["budget"]["layers"]["layer"]["0.02"]["steered"] == 0
+
+
+def test_steering_holds_the_fraction_when_later_queries_drift():
+    """Through the layer and the real kernel: a request calibrates on queries near its keys, then its
+    queries drift away (they sample fewer keys). With steering the fraction of the later decodes is
+    back within +-15% of the target; without it (band disabled) the same decodes sample > 25% below
+    it, so the check can fail."""
+    def run(band):
+        g, rt, layer, planner, cache, bt, Us, seq = _layer_setup(calibration_decodes=2)
+        settings = StepSettings.from_config(rt.cfg)
+        old = bm.STEER_BAND
+        bm.STEER_BAND = band
+        try:
+            for _ in range(2):
+                _step(g, layer, planner, cache, bt, Us, seq, settings, strength=1.5)
+            for _ in range(4 * bm.STEER_DECODES):
+                _step(g, layer, planner, cache, bt, Us, seq, settings, strength=1.2)
+            before = rt.stats.snapshot()
+            for _ in range(2 * bm.STEER_DECODES):
+                _step(g, layer, planner, cache, bt, Us, seq, settings, strength=1.2)
+            after = rt.stats.snapshot()
+        finally:
+            bm.STEER_BAND = old
+        late = (after["sampled_keys"] - before["sampled_keys"]) / (after["candidate_keys"] - before["candidate_keys"])
+        return late, after["budget"]["layers"][layer.ctx.name]["0.02"]
+
+    steered, entry = run(bm.STEER_BAND)
+    fixed, fixed_entry = run(1e9)
+    assert fixed_entry["steered"] == 0 and fixed / 0.02 - 1 < -0.25, fixed
+    assert entry["steered"] >= 1 and abs(steered / 0.02 - 1) <= 0.15, (steered, entry)
 
 
 def test_without_a_target_nothing_changes():

@@ -122,3 +122,35 @@ def test_merge_replaces_rows_of_a_rerun(tmp_path):
     harness.merge_results([tmp_path / "first.json", tmp_path / "rerun.json"], tmp_path / "merged")
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert sorted((r["method"], r["score"]) for r in merged["rows"]) == [("budget(2%)", 90.0), ("full", 100.0)]
+
+
+def test_budget_rows_name_their_largest_L():
+    """Budget rows without a suffix take the config's default max_L; the 'L<=N' rows pin it, so a
+    row keeps its meaning when the default moves (it was 150 before 2026-12-01)."""
+    from vllm_magicpig.config import MagicPigConfig
+
+    rows = {m.name: m.settings for m in harness.methods(full_mode=True) if m.name.startswith("budget(")}
+    assert rows["budget(2%)"] == {"method": "magicpig", "target_cost": 0.02}
+    assert MagicPigConfig().max_L == 300
+    for target in ("2%", "4%"):
+        for max_L in (150, 300):
+            assert rows[f"budget({target}) L<={max_L}"]["max_L"] == max_L
+
+
+def test_merge_renames_rows_run_under_an_old_default(tmp_path):
+    """--rename relabels a method in every input before rows replace each other: the first run's
+    budget(2%) row and its rerun both become 'L<=150', and a later 'budget(2%)' run (the new
+    default) stays apart from them."""
+    first = _rows("full", 4096, {"niah": [100.0] * 10}) + _rows("budget(2%)", 4096, {"niah": [0.0] * 10})
+    rerun = _rows("budget(2%)", 4096, {"niah": [100.0] * 9 + [0.0]})
+    wide = _rows("budget(2%) L<=300", 4096, {"niah": [100.0] * 10})
+    for name, rows in (("first", first), ("rerun", rerun), ("wide", wide)):
+        harness.write_outputs(rows, [], tmp_path / name, {"command": name, "contexts": [4096]})
+    paths = [tmp_path / f"{n}.json" for n in ("first", "rerun", "wide")]
+    text = harness.merge_results(paths, tmp_path / "merged", {"budget(2%)": "budget(2%) L<=150"})
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert sorted((r["method"], r["score"]) for r in merged["rows"]) == [
+        ("budget(2%) L<=150", 90.0), ("budget(2%) L<=300", 100.0), ("full", 100.0)]
+    assert "budget(2%) -> budget(2%) L<=150" in merged["config"]["command"] and "L<=150" in text
+    with pytest.raises(SystemExit):
+        harness.main(["--merge", ",".join(map(str, paths)), "--rename", "budget(2%)"])

@@ -271,8 +271,8 @@ def test_extension_keys_keep_their_defaults_and_checks():
 def test_target_cost_is_kept_and_K_L_stay_defaults():
     cfg = _parse(target_cost=0.02)
     assert cfg.target_cost == 0.02 and isinstance(cfg.target_cost, float)
-    assert (cfg.max_L, cfg.calibration_decodes) == (150, 8)
-    assert _parse(target_cost=0.04, max_L=300, calibration_decodes=3).max_L == 300
+    assert (cfg.max_L, cfg.calibration_decodes) == (300, 8)
+    assert _parse(target_cost=0.04, max_L=120, calibration_decodes=3).max_L == 120
     assert _parse().target_cost is None and _parse(target_cost=None).target_cost is None
 
 
@@ -328,14 +328,14 @@ def test_eval_override_budget_max_L():
     budget takes it and forgets the choices made under the old one, and goes back to the config's."""
     rt = make_runtime()
     with pytest.raises(ValueError, match="'max_L' applies only in budget mode"):
-        eval_settings.set_eval(rt, max_L=300)
+        eval_settings.set_eval(rt, max_L=200)
     with pytest.raises(ValueError, match="max_L"):
         eval_settings.set_eval(rt, target_cost=0.02, max_L=1)
     rt.budget._requests["stale"] = object()  # a choice made under the config's max_L
-    eval_settings.set_eval(rt, target_cost=0.02, max_L=300)
-    assert rt.budget.max_L == 300 and not rt.budget._requests
+    eval_settings.set_eval(rt, target_cost=0.02, max_L=200)
+    assert rt.budget.max_L == 200 and not rt.budget._requests
     rt.budget._requests["kept"] = object()
-    eval_settings.set_eval(rt, target_cost=0.04, max_L=300)  # same max_L: choices kept
+    eval_settings.set_eval(rt, target_cost=0.04, max_L=200)  # same max_L: choices kept
     assert "kept" in rt.budget._requests
     eval_settings.set_eval(rt)
     assert rt.budget.max_L == rt.cfg.max_L and not rt.budget._requests

@@ -250,6 +250,53 @@ def test_one_call_decode_equals_two_step(name, force_scalar):
     assert torch.equal(lse, want_lse), msg
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_reading_fewer_tables_equals_segments_built_with_them(name, force_scalar):
+    """L_read < L (budget mode's steering): reading the first L_read tables of segments built with
+    L gives, bit for bit, what segments built with L_read tables from the projection's first
+    K * L_read columns give (out, lse, counts), and those are held to the float64 estimator above.
+    L_read = L is the default; L_read outside 2..L is refused."""
+    seed, gen = new_seed()
+    lens, hkv, G, D, K, L, extra = CONFIGS[name]
+    case = Case(gen, lens, hkv, G, D, K, L, **extra)
+    R, L_read = len(lens), max(2, L * 2 // 3)
+    W_read = case.W[:, :K * L_read].contiguous()
+    few = []
+    for r, (keys, vals) in enumerate(case.ctx):
+        p, row = (case.ranges[r][0][1]), []
+        for seg in case.segs[r]:
+            n = seg.num_tokens
+            row.append(kx.build_segment(keys[p:p + n], vals[p:p + n], case.centres[r], W_read, K, L_read))
+            p += n
+        few.append(row)
+    centres = [case.centres[r] if case.segs[r] else None for r in range(R)]
+
+    def call(W, segs, L_seg, **kw):
+        out = torch.full((R, case.H, D), float("nan"), dtype=case.query.dtype)
+        lse = torch.full((R, case.H), float("nan"))
+        cnt = torch.full((R, case.H), -7, dtype=torch.int64)
+        kx.magicpig_decode_attention(case.query, W, centres, segs, case.kview, case.vview, block_table=case.bt,
+                                     dense_ranges=case.dense_ranges, scale=case.scale, K=K, L=L_seg, out=out,
+                                     lse=lse, sampled_counts=cnt, force_scalar=force_scalar, **kw)
+        return out, lse, cnt
+
+    msg = f"seed={seed} {name} force_scalar={force_scalar} L_read={L_read}"
+    got, want = call(case.W, case.segs, L, L_read=L_read), call(W_read, few, L_read)
+    for g, w, what in zip(got, want, ("out", "lse", "counts")):
+        assert torch.equal(g, w), f"{what} differs ({msg})"
+    full = call(case.W, case.segs, L)
+    assert all(torch.equal(a, b) for a, b in zip(full, call(case.W, case.segs, L, L_read=L))), msg
+    fewer, more = int(got[2].sum()), int(full[2].sum())
+    assert fewer <= more, msg  # keys hit twice in the first L_read tables are hit twice in all L
+    candidates = sum(int(c.sum()) for c in case.covered) * case.H
+    if 100 <= more < candidates:  # many sampled, not all: fewer tables sample fewer keys
+        assert fewer < more, msg
+    for bad in (1, L + 1, 2.0):
+        with pytest.raises(ValueError, match="L_read"):
+            call(case.W, case.segs, L, L_read=bad)
+
+
 def test_one_call_decode_rejects_bad_centres():
     _, gen = new_seed()
     case = Case(gen, [400, 300], 2, 2, 64, 6, 20)

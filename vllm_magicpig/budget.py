@@ -19,9 +19,18 @@ With ``"target_cost": 0.02`` in ``additional_config["magicpig"]`` nobody picks K
    decodes are pooled; if the first choice's expected fraction over the pool is off the target by
    more than ``REFINE_BAND``, the request chooses again from the pool (its segments are then
    rebuilt once, under the new (K, L)). Refining at 2, 4, 8 pooled decodes as well measured no
-   better on SmolLM2 (noise-level differences), so it is done once. Then the choice holds until
+   better on SmolLM2 (noise-level differences), so it is done once. The (K, L) then holds until
    the request's indexed context has grown by ``REGROW`` (a long generation, or a turn inheriting
    a shorter prefix's centre): then it is chosen afresh.
+5. **Steering.** Queries drift as a generation goes on: on SmolLM2 at 16K a choice that was on
+   target over the first decodes sampled 0.65-1.28x the target per layer over 96 decodes.
+   So segments are hashed with ``BUILD_HEADROOM`` times the chosen L tables, and the kernel reads
+   only the first L of them (``L_read``; the first L tables of a segment are exactly a segment of
+   L tables, so the estimator is unchanged). After the refinement, every ``STEER_DECODES``
+   decodes the fraction the kernel sampled for the request is compared with the target; off by
+   more than ``STEER_BAND``, L moves within the built tables to where the model, scaled by the
+   measured / expected ratio, meets the target. No rehash; a refinement that keeps K moves L the
+   same way.
 4. **The choice.** The largest K for which some L <= ``max_L`` reaches the target (sharper buckets
    concentrate the sample on the keys closest to the query; ``max_L`` bounds memory and lookups),
    then the integer L whose expected fraction is nearest the target (the fraction grows with L;
@@ -50,8 +59,17 @@ logger = logging.getLogger("vllm.magicpig")  # under vLLM's logger tree, so its 
 THETA_BINS = 2048
 _CENTRES = (torch.arange(THETA_BINS, dtype=torch.float64) + 0.5) * (math.pi / THETA_BINS)
 
-DEFAULT_MAX_L = 150  # the default config's L: budget mode uses at most the default index memory
+# Twice the default config's L, so up to twice its index memory: with L <= 150, budget mode at 2% had
+# to take K ~10 with L near the cap and scored 9 points below full attention at 4K (paired 95%
+# interval [-14.5, -4.1], README); with L <= 300 it takes a larger K, concentrating the sample on
+# the nearest keys, and passes at 4K and 8K
+DEFAULT_MAX_L = 300
 DEFAULT_CALIBRATION_DECODES = 8  # SmolLM2 2K-8K, 1-4%: 4 (band 10%) left 3 of 252 layer rows off +-25%, 8 none
+# Tables hashed per chosen table: room to steer the fraction up (~1.25^2 = 1.56x at small collision
+# probabilities, where the fraction grows as L^2) without rehashing; down needs no room
+BUILD_HEADROOM = 1.25
+STEER_DECODES = 8  # decodes per steering window: one decode's fraction is noisy (+-15%), 8 average it
+STEER_BAND = 0.10  # a window within +-10% of the target leaves L alone
 REFINE_BAND = 0.05  # a first choice whose expectation over the pooled angles is within +-5% holds
 REGROW = 1.5  # re-choose when the request's indexed keys have grown by this factor since its choice
 MAX_TRACKED = 1 << 15  # (layer, request, target) choices remembered, least recently used dropped
@@ -78,30 +96,57 @@ def expected_fraction(hist: torch.Tensor, K: int, L: int) -> float:
 @dataclass(frozen=True)
 class Choice:
     K: int
-    L: int
+    L: int  # tables read
     model_fraction: float  # the expected sampled fraction at (K, L) over the calibration angles (no feedback)
+    L_built: int = 0  # tables hashed, >= L (segments are keyed by (K, L_built)); 0: L
+
+    def __post_init__(self) -> None:
+        if not self.L_built:
+            object.__setattr__(self, "L_built", self.L)
+
+
+def built_tables(L: int) -> int:
+    """Tables to hash for a chosen L: ``BUILD_HEADROOM`` times as many, within the kernel's range."""
+    return min(L_RANGE[1], math.ceil(BUILD_HEADROOM * L))
+
+
+def nearest_L(fraction: Callable[[int], float], target: float, lo: int, hi: int) -> int:
+    """The L in [lo, hi] whose ``fraction(L)`` (growing with L) is nearest ``target``."""
+    if fraction(hi) < target:
+        return hi
+    a, b = lo, hi
+    while a < b:  # smallest L reaching the target
+        mid = (a + b) // 2
+        if fraction(mid) >= target:
+            b = mid
+        else:
+            a = mid + 1
+    return min({max(lo, a - 1), a}, key=lambda n: abs(fraction(n) - target))
 
 
 def choose_kl(hist: torch.Tensor, target: float, max_L: int = DEFAULT_MAX_L) -> Choice:
-    """Per the module docs: the largest K that reaches ``target`` with L <= max_L, then the L nearest it."""
+    """Per the module docs: the largest K that reaches ``target`` with L <= max_L, then the L nearest
+    it; its segments get ``built_tables(L)`` tables."""
     max_L = max(L_RANGE[0], min(max_L, L_RANGE[1]))
     K = K_RANGE[0]
     for k in range(K_RANGE[1], K_RANGE[0] - 1, -1):
         if expected_fraction(hist, k, max_L) >= target:
             K = k
             break
-    # smallest L with f(K, L) >= target (f grows with L), by bisection; then the nearer of L-1, L
-    lo, hi = L_RANGE[0], max_L
-    if expected_fraction(hist, K, hi) < target:  # unreachable even at K=1: as many samples as allowed
-        return Choice(K, hi, expected_fraction(hist, K, hi))
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if expected_fraction(hist, K, mid) >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    best = min({max(L_RANGE[0], lo - 1), lo}, key=lambda n: abs(expected_fraction(hist, K, n) - target))
-    return Choice(K, best, expected_fraction(hist, K, best))
+    # (unreachable even at K=1: as many samples as allowed, L = max_L)
+    best = nearest_L(lambda n: expected_fraction(hist, K, n), target, L_RANGE[0], max_L)
+    return Choice(K, best, expected_fraction(hist, K, best), built_tables(best))
+
+
+def steer(choice: Choice, hist: torch.Tensor, target: float, measured: float) -> Choice:
+    """Per the module docs, step 5: the L, within the built tables, where the model over ``hist``
+    scaled by ``measured`` / its expectation at ``choice.L`` meets ``target`` (same K, same tables)."""
+    expected = expected_fraction(hist, choice.K, choice.L)
+    if expected <= 0 or measured <= 0:  # nothing to scale by: read every table built
+        return Choice(choice.K, choice.L_built, expected_fraction(hist, choice.K, choice.L_built), choice.L_built)
+    ratio = measured / expected
+    L = nearest_L(lambda n: ratio * expected_fraction(hist, choice.K, n), target, L_RANGE[0], choice.L_built)
+    return Choice(choice.K, L, expected_fraction(hist, choice.K, L), choice.L_built)
 
 
 def angle_histogram(query: torch.Tensor, centred_keys: torch.Tensor) -> torch.Tensor:
@@ -125,6 +170,8 @@ class _RequestChoice:
     chosen_at: int  # the request's indexed keys when chosen
     hist: torch.Tensor | None  # pooled angles while refining; None once the choice holds
     decodes: int = 1
+    pooled: torch.Tensor | None = None  # the refinement's pooled angles: steering's model
+    window: list[int] = field(default_factory=lambda: [0, 0, 0])  # steering: sampled, candidates, decodes
 
 
 @dataclass
@@ -134,14 +181,17 @@ class _LayerTally:
     last: Choice | None = None
     choices: int = 0
     refined: int = 0
+    steered: int = 0
+    rehashed: int = 0  # steers that needed more tables than were built
     K_range: list[int] = field(default_factory=list)  # [min, max]
     L_range: list[int] = field(default_factory=list)
     sampled: int = 0
     candidates: int = 0
 
-    def record(self, c: Choice) -> None:
+    def record(self, c: Choice, steered: bool = False) -> None:
         self.last = c
-        self.choices += 1
+        self.choices += not steered
+        self.steered += steered
         self.K_range = [min(self.K_range[0], c.K), max(self.K_range[1], c.K)] if self.K_range else [c.K, c.K]
         self.L_range = [min(self.L_range[0], c.L), max(self.L_range[1], c.L)] if self.L_range else [c.L, c.L]
 
@@ -169,7 +219,7 @@ class Budget:
         if entry is None or indexed >= REGROW * entry.chosen_at:
             hist = angles()
             entry = _RequestChoice(choose_kl(hist, target, self.max_L), indexed,
-                                   hist if self.calibration_decodes > 1 else None)
+                                   hist.clone() if self.calibration_decodes > 1 else None, pooled=hist)
             with self._lock:
                 self._requests[key] = entry
                 while len(self._requests) > MAX_TRACKED:
@@ -181,6 +231,7 @@ class Budget:
             entry.decodes += 1
             if entry.decodes >= self.calibration_decodes:
                 hist, entry.hist = entry.hist, None
+                entry.pooled = hist
                 self._refine(layer, target, entry, hist)
         return entry.choice
 
@@ -192,6 +243,8 @@ class Budget:
         new = choose_kl(hist, target, self.max_L)
         if (new.K, new.L) == (old.K, old.L):
             return
+        if new.K == old.K and new.L_built <= old.L_built:  # the tables built serve it, with room to steer
+            new = Choice(new.K, new.L, new.model_fraction, old.L_built)
         entry.choice = new
         logger.debug("MAGICPIG budget: %s refined for target %.2f%%: K=%d L=%d -> K=%d L=%d", layer, 100 * target,
                      old.K, old.L, new.K, new.L)
@@ -210,6 +263,42 @@ class Budget:
             t.sampled += sampled
             t.candidates += candidates
 
+    def add_request_sampled(self, layer: str, request: int, target: float, sampled: int, candidates: int) -> None:
+        """What the kernel sampled for ``request`` in ``layer`` at one decode: per the module docs,
+        step 5, every ``STEER_DECODES`` decodes after the refinement its L is steered to the target."""
+        with self._lock:
+            entry = self._requests.get((layer, request, target))
+        if entry is None or entry.hist is not None or entry.pooled is None:  # unknown, or still calibrating
+            return
+        w = entry.window
+        w[0] += sampled
+        w[1] += candidates
+        w[2] += 1
+        if w[2] < STEER_DECODES:
+            return
+        measured = w[0] / w[1] if w[1] else 0.0
+        entry.window = [0, 0, 0]
+        if abs(measured / target - 1) <= STEER_BAND:
+            return
+        old = entry.choice
+        new = steer(old, entry.pooled, target, measured)
+        rehash = new.L == old.L_built and new.model_fraction * measured < target * (1 - STEER_BAND) * \
+            expected_fraction(entry.pooled, old.K, old.L)
+        if rehash:  # the tables built cannot reach the target: choose again for the drifted queries
+            ratio = measured / max(expected_fraction(entry.pooled, old.K, old.L), 1e-12)
+            new = choose_kl(entry.pooled, min(target / max(ratio, 1e-3), 0.5), self.max_L)
+            rehash = (new.K, new.L_built) != (old.K, old.L_built)
+        if (new.K, new.L, new.L_built) == (old.K, old.L, old.L_built):  # nowhere to go
+            return
+        entry.choice = new
+        logger.debug("MAGICPIG budget: %s steered for target %.2f%%: sampled %.3f%%, K %d L %d (of %d) -> K %d L %d "
+                     "(of %d)", layer, 100 * target, 100 * measured, old.K, old.L, old.L_built, new.K, new.L,
+                     new.L_built)
+        with self._lock:
+            tally = self._tally_of(target, layer)
+            tally.record(new, steered=True)
+            tally.rehashed += rehash
+
     def choosing(self) -> int:
         """(layer, request, target) choices still pooling angles."""
         return sum(e.hist is not None for e in list(self._requests.values()))
@@ -225,9 +314,9 @@ class Budget:
             self._tally.clear()
 
     def snapshot(self) -> dict[str, Any]:
-        """``budget``: per layer and target used since the last stats reset, the latest choice (K, L,
-        its expected fraction), the range of choices, how many were made and refined, and the fraction
-        the kernel achieved."""
+        """``budget``: per layer and target used since the last stats reset, the latest choice (K, L
+        read, L built, its expected fraction), the range of choices, how many were made, refined and
+        steered, and the fraction the kernel achieved."""
         layers: dict[str, Any] = {}
         targets: dict[str, list[int]] = {}
         with self._lock:
@@ -236,8 +325,9 @@ class Budget:
             if t.last is None:
                 continue
             layers.setdefault(name, {})[f"{target:g}"] = {
-                "K": t.last.K, "L": t.last.L, "model_fraction": round(t.last.model_fraction, 6),
-                "K_range": t.K_range, "L_range": t.L_range, "choices": t.choices, "refined": t.refined,
+                "K": t.last.K, "L": t.last.L, "L_built": t.last.L_built,
+                "model_fraction": round(t.last.model_fraction, 6), "K_range": t.K_range, "L_range": t.L_range,
+                "choices": t.choices, "refined": t.refined, "steered": t.steered, "rehashed": t.rehashed,
                 "sampled_fraction": t.sampled / t.candidates if t.candidates else None}
             agg = targets.setdefault(f"{target:g}", [0, 0])
             agg[0] += t.sampled
@@ -264,5 +354,6 @@ class Budget:
             parts.append(f"target {target:.2%}: {len(ts)} layers, K {min(v.K_range[0] for v in ts)}.."
                          f"{max(v.K_range[1] for v in ts)} L {min(v.L_range[0] for v in ts)}.."
                          f"{max(v.L_range[1] for v in ts)}, {sum(v.choices for v in ts)} choices "
-                         f"({sum(v.refined for v in ts)} refined), sampled {got:.2%}")
+                         f"({sum(v.refined for v in ts)} refined, {sum(v.steered for v in ts)} steered), "
+                         f"sampled {got:.2%}")
         return f"budget[{'; '.join(parts)}]" if parts else ""

@@ -47,6 +47,8 @@ class LayerContext:
 class DecodeResult:
     served: list[int]  # requests served sparse
     sampled: int = 0  # keys sampled for them, summed over query heads
+    # per served request (row of the plan), when the method counts them (budget mode steers by them)
+    sampled_by_request: dict[int, int] | None = None
     exact: dict[int, str] = field(default_factory=dict)  # planned sparse, served exactly: reason
     label: str | None = None  # counter label (default: the method's name)
 

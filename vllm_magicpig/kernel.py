@@ -276,7 +276,7 @@ def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False,
 def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache, *,
                             block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
                             sampled_counts=None, force_scalar: bool = False, check_values: bool = True,
-                            num_threads: int | None = None) -> int:
+                            num_threads: int | None = None, L_read: int | None = None) -> int:
     """MagicPIG decode attention for R requests (one query token each), with the query codes
     ``[R, H, L]`` int32 and q . c ``[R, H]`` float32 given; writes ``out`` (and ``lse``,
     ``sampled_counts``) and returns the sampled keys summed over requests and heads.  See the
@@ -284,7 +284,11 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
 
     Everything after ``value_cache`` is keyword-only, so each call names its tensors, scalars and
     outputs rather than relying on the order of a dozen similar arguments.  The result does not
-    depend on ``num_threads`` (bit for bit)."""
+    depend on ``num_threads`` (bit for bit).
+
+    ``L_read`` (2..L, None: L) reads only the segments' first ``L_read`` tables: keys colliding in
+    >= 2 of them are sampled, weighted for (K, L_read). That equals segments built with L_read
+    tables from the projection's first K * L_read columns (budget mode steers its fraction so)."""
     _check_kl(K, L)
     _tensor("query_codes", query_codes)
     _tensor("query_dot_centre", query_dot_centre)
@@ -300,17 +304,18 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
         return qc.data_ptr(), qdc.data_ptr(), 0, []
 
     return _decode(query, shapes, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
-                   sampled_counts, force_scalar, check_values, num_threads)
+                   sampled_counts, force_scalar, check_values, num_threads, L_read)
 
 
 def magicpig_decode_attention(query, projection, centres, segments, key_cache, value_cache, *, block_table,
                               dense_ranges, scale: float, K: int, L: int, out, lse=None, sampled_counts=None,
                               force_scalar: bool = False, check_values: bool = True,
-                              num_threads: int | None = None) -> int:
+                              num_threads: int | None = None, L_read: int | None = None) -> int:
     """As :func:`sparse_decode_attention`, in one native call that also hashes the queries (with
     ``projection [D, K*L]``, the arithmetic of the segment build) and computes q . c: ``centres`` is a
     list of R entries, each request's float32 centre ``[Hkv, D]``, or None for a request with no
-    segments (served exactly). Returns the sampled keys summed over requests and heads."""
+    segments (served exactly). Returns the sampled keys summed over requests and heads. ``L_read``:
+    as there."""
     _check_kl(K, L)
     if not isinstance(centres, (list, tuple)):
         raise TypeError(f"centres must be a list of R float32 [Hkv, D] tensors or None, got {type(centres).__name__}")
@@ -338,14 +343,18 @@ def magicpig_decode_attention(query, projection, centres, segments, key_cache, v
 
     keep: list = []
     return _decode(query, shapes, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
-                   sampled_counts, force_scalar, check_values, num_threads)
+                   sampled_counts, force_scalar, check_values, num_threads, L_read)
 
 
 def _decode(query, query_inputs, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
-            sampled_counts, force_scalar, check_values, num_threads) -> int:
+            sampled_counts, force_scalar, check_values, num_threads, L_read) -> int:
     """The checks and the native call shared by both decode entry points; ``query_inputs(R, H)``
     checks their own inputs and returns (qcodes ptr, qdc ptr, projection ptr, centre ptrs)."""
     nt = _threads(num_threads)
+    if L_read is None:
+        L_read = L
+    if isinstance(L_read, bool) or not isinstance(L_read, int) or not 2 <= L_read <= L:
+        raise ValueError(f"L_read must be an int in 2..L={L} (the tables read), got {L_read!r}")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("block_table", block_table), ("dense_ranges", dense_ranges), ("out", out)):
         _tensor(name, t)
@@ -413,7 +422,8 @@ def _decode(query, query_inputs, segments, key_cache, value_cache, block_table, 
                                key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
                                list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
                                o.data_ptr(), _OUT_CODE[o.dtype], 0 if lse is None else lse.data_ptr(),
-                               0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt)
+                               0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt,
+                               L_read)
     if not direct:
         out.copy_(o)
     return sampled

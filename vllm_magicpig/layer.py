@@ -6,8 +6,8 @@ this step) and :meth:`SparseLayer.account_exact` counts it, or :meth:`SparseLaye
 the step's decode method (``decode_methods.py``) and counts what it reports.
 
 Budget mode (``budget.py``): each request has its own (K, L) in each layer, chosen from its own
-query/key angles. The decode method runs once per distinct (K, L) in the batch, on the requests
-that share it (usually one group: requests of similar contexts choose alike).
+query/key angles and steered by what the kernel samples for it. The decode method runs once per
+distinct (K, tables built, tables read) in the batch, on the requests that share it.
 """
 from __future__ import annotations
 
@@ -63,22 +63,22 @@ class SparseLayer:
     # ------------------------------------------------------------------ budget mode
     def _forward_budget(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> None:
         choices = {r: self._request_choice(q, kv, plan, r) for r in plan.sparse}
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int, int], list[int]] = {}
         for r in plan.sparse:
-            groups.setdefault((choices[r].K, choices[r].L), []).append(r)
+            groups.setdefault((choices[r].K, choices[r].L_built, choices[r].L), []).append(r)
         base = plan.settings
         if len(groups) == 1:
-            ((K, L),) = groups
-            self._bind(dataclasses.replace(base, K=K, L=L))
+            ((K, L_built, L),) = groups
+            self._bind(dataclasses.replace(base, K=K, L=L_built, L_read=L))
             self._run(q, kv, plan, out)
             return
-        # One call per (K, L); the requests planned exact ride with the first group.
+        # One call per group; the requests planned exact ride with the first.
         exact_rows = [r for r in range(plan.num_decodes) if r not in choices]
-        for i, ((K, L), rows) in enumerate(groups.items()):
+        for i, ((K, L_built, L), rows) in enumerate(groups.items()):
             rows = sorted(rows + (exact_rows if i == 0 else []))
             idx = torch.tensor(rows, dtype=torch.long, device=q.device)
             sub_out = torch.empty(len(rows), *out.shape[1:], dtype=out.dtype, device=out.device)
-            self._bind(dataclasses.replace(base, K=K, L=L))
+            self._bind(dataclasses.replace(base, K=K, L=L_built, L_read=L))
             self._run(q.index_select(0, idx).contiguous(), kv, sub_plan(plan, rows), sub_out)
             out.index_copy_(0, idx, sub_out)
 
@@ -106,8 +106,11 @@ class SparseLayer:
             candidates = sum(plan.covered[r] for r in result.served) * self.ctx.num_heads
             stats.add_sampled(self.ctx.name, result.sampled, candidates)
             if budget_applies(plan.settings):
-                self.ctx.runtime.budget.add_sampled(plan.settings.target_cost, self.ctx.name, result.sampled,
-                                                    candidates)
+                budget, target, H = self.ctx.runtime.budget, plan.settings.target_cost, self.ctx.num_heads
+                budget.add_sampled(target, self.ctx.name, result.sampled, candidates)
+                for r, sampled in (result.sampled_by_request or {}).items():
+                    budget.add_request_sampled(self.ctx.name, plan.centres[r].cid, target, sampled,
+                                               plan.covered[r] * H)
 
 
 def request_angles(ctx: LayerContext, q: torch.Tensor, kv: KVViews, plan: DecodePlan, r: int) -> torch.Tensor:

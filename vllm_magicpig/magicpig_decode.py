@@ -95,10 +95,15 @@ class MagicPigDecode:
             centres[r] = centre.to(torch.float32).contiguous()  # no copy for the production centrings
         # One native call: query hashing, q . c, retrieval and attention (requests without segments
         # attend their whole context exactly in it, and sample nothing, so the total is the served ones').
+        # Budget mode steers each request by its own sampled keys; otherwise the total is enough.
+        counts = torch.zeros(R, query.shape[1], dtype=torch.int64) if st.target_cost is not None else None
         t0 = time.perf_counter()
         result.sampled = ops.attend_queries(query, ctx.projection, centres, segments, kv, plan.block_table, dense,
-                                            ctx.scale, st.K, st.L, out)
+                                            ctx.scale, st.K, st.L, out, sampled_counts=counts, L_read=st.L_read)
         rt.stats.sparse_seconds += time.perf_counter() - t0
+        if counts is not None:
+            per_request = counts.sum(dim=1).tolist()
+            result.sampled_by_request = {r: per_request[r] for r in result.served}
         return result
 
 

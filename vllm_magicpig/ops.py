@@ -31,13 +31,15 @@ class SparseDecodeOps(Protocol):
     def attend(self, query: torch.Tensor, query_codes: torch.Tensor, query_dot_centre: torch.Tensor,
                segments: list[list[Any]], kv: KVViews, block_table: torch.Tensor, dense_ranges: torch.Tensor,
                scale: float, K: int, L: int, out: torch.Tensor, sampled_counts: torch.Tensor | None,
-               lse: torch.Tensor | None = None) -> None:
+               lse: torch.Tensor | None = None, L_read: int | None = None) -> None:
         """One decode attention call for every request: sampled segments plus exact dense ranges
-        (``lse``: the natural-log LSE per request and head, for merging with another part)."""
+        (``lse``: the natural-log LSE per request and head, for merging with another part;
+        ``L_read``: the segments' first tables read, None: all L)."""
 
     def attend_queries(self, query: torch.Tensor, projection: torch.Tensor, centres: list[torch.Tensor | None],
                        segments: list[list[Any]], kv: KVViews, block_table: torch.Tensor, dense_ranges: torch.Tensor,
-                       scale: float, K: int, L: int, out: torch.Tensor) -> int:
+                       scale: float, K: int, L: int, out: torch.Tensor, sampled_counts: torch.Tensor | None = None,
+                       L_read: int | None = None) -> int:
         """As :meth:`attend`, with the query codes and q . c computed in the same call from
         ``projection`` and each request's centre (None: no segments); returns the sampled keys
         summed over requests and heads. The CPU path's one native call per sparse layer."""
@@ -70,15 +72,16 @@ class CpuKernelOps:
         return self._kernel.hash_codes(x, projection, K, L, num_threads=self.num_threads)
 
     def attend(self, query, query_codes, query_dot_centre, segments, kv, block_table, dense_ranges, scale, K, L,
-               out, sampled_counts, lse=None):
+               out, sampled_counts, lse=None, L_read=None):
         # The backend built the codes, ranges and block table itself: skip the O(n) value scans.
         self._kernel.sparse_decode_attention(
             query, query_codes, query_dot_centre, segments, kv.key, kv.value, block_table=block_table,
             dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=sampled_counts,
-            check_values=False, num_threads=self.num_threads)
+            check_values=False, num_threads=self.num_threads, L_read=L_read)
 
-    def attend_queries(self, query, projection, centres, segments, kv, block_table, dense_ranges, scale, K, L, out):
+    def attend_queries(self, query, projection, centres, segments, kv, block_table, dense_ranges, scale, K, L, out,
+                       sampled_counts=None, L_read=None):
         return self._kernel.magicpig_decode_attention(
             query, projection, centres, segments, kv.key, kv.value, block_table=block_table,
-            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, check_values=False,
-            num_threads=self.num_threads)
+            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, sampled_counts=sampled_counts,
+            check_values=False, num_threads=self.num_threads, L_read=L_read)

@@ -41,6 +41,9 @@ class StepSettings:
     target_cost: float | None = None
     """Budget mode (``budget.py``): each sparse layer replaces K and L by each request's own choice
     for this target (``SparseLayer.forward``); None = K and L as given, for every layer."""
+    L_read: int | None = None
+    """Tables the kernel reads, <= L (None: L): budget mode builds L tables and steers its sampled
+    fraction by reading fewer, without rehashing (``kernel.sparse_decode_attention``)."""
 
     @classmethod
     def from_config(cls, cfg: MagicPigConfig) -> "StepSettings":

@@ -129,10 +129,12 @@ class SplitMagicPigDecode:
         no_cache = torch.zeros(1, kv.block_size, hkv, D, dtype=kv.key.dtype)  # nothing dense on the host
         ops.attend(q_host, codes_host, qdc_host, segments, KVViews(no_cache, no_cache),
                    torch.zeros(R, 1, dtype=torch.int32), torch.zeros(R, 2, 2, dtype=torch.int32), ctx.scale,
-                   st.K, st.L, host_out, counts, lse=host_lse)
+                   st.K, st.L, host_out, counts, lse=host_lse, L_read=st.L_read)
         device_ops.merge_states(out, dense_out.to(out.dtype), dense_lse,
                                 host_out.to(device=device, non_blocking=True).to(out.dtype),
                                 host_lse.t().to(device, non_blocking=True))
         rt.stats.sparse_seconds += time.perf_counter() - t0
-        result.sampled = int(counts[result.served].sum()) if result.served else 0
+        per_request = counts.sum(dim=1).tolist()
+        result.sampled_by_request = {r: per_request[r] for r in result.served}
+        result.sampled = sum(result.sampled_by_request.values())
         return result

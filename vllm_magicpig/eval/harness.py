@@ -31,9 +31,9 @@ MAGICPIG_CONFIGS = ((8, 75), (9, 120), (10, 150), (10, 220), (11, 300))
 LOW_COST_CONFIGS = ((11, 150), (12, 300))
 DEFAULT_KL = (10, 150)
 BUDGET_TARGETS = (0.02, 0.04)  # budget mode's target_cost rows
-# Budget mode with twice the default largest L: at matched cost, sharper buckets over more tables
-# ((11,300) at 3.7% against (10,150) at 3.2%) were the more accurate in the first harness run.
-BUDGET_WIDE_MAX_L = 300
+# Budget mode with an explicit largest L besides the config's default (300): 150, the default
+# before 2026-12-01, keeps its rows reproducible; 300 named explicitly, as those rows were run.
+BUDGET_MAX_L_VARIANTS = (150, 300)
 MAX_MODEL_LEN = 8192  # SmolLM2's native window
 ANSWER_HEADROOM = 128  # >= every task's max_new_tokens
 # evaluation-only centrings at the default (K, L); 'segment' and 'pre_rope' run in torch
@@ -67,9 +67,10 @@ def methods(full_mode: bool, only: set[str] | None = None, sparse_batch: int = S
         for target in BUDGET_TARGETS:
             out.append(Method(f"budget({target:.0%})", {"method": "magicpig", "target_cost": target}, "magicpig",
                               batch=sparse_batch))
-            out.append(Method(f"budget({target:.0%}) L<={BUDGET_WIDE_MAX_L}",
-                              {"method": "magicpig", "target_cost": target, "max_L": BUDGET_WIDE_MAX_L}, "magicpig",
-                              batch=sparse_batch))
+            for max_L in BUDGET_MAX_L_VARIANTS:
+                out.append(Method(f"budget({target:.0%}) L<={max_L}",
+                                  {"method": "magicpig", "target_cost": target, "max_L": max_L}, "magicpig",
+                                  batch=sparse_batch))
     K, L = DEFAULT_KL
     out.append(Method(f"magicpig({K},{L}) no-centre",
                       {"method": "magicpig", "K": K, "L": L, "centering": "none"}, "magicpig", batch=sparse_batch))
@@ -408,17 +409,24 @@ def _plot(summary: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def merge_results(paths: list[Path], out: Path) -> str:
+def merge_results(paths: list[Path], out: Path, rename: dict[str, str] | None = None) -> str:
     """Combine result JSONs of runs over different contexts (e.g. two engines side by side), or a
     rerun of some methods: a (method, context, task) row of a later file replaces an earlier one
-    (the rerun must use the same --seed and --samples, so its prompts are the same)."""
+    (the rerun must use the same --seed and --samples, so its prompts are the same). ``rename``
+    relabels methods in every input before that: a row run under a default that has since moved
+    keeps what it measured (``budget(2%)`` run when max_L defaulted to 150 is ``budget(2%) L<=150``)."""
+    rename = rename or {}
     parts = [json.loads(p.read_text()) for p in paths]
     by_key = {}
     for p in parts:
         for r in p["rows"]:
+            r = dict(r, method=rename.get(r["method"], r["method"]))
             by_key[(r["method"], r["context"], r["task"])] = Row(**r)
     rows = list(by_key.values())
-    config = dict(parts[0]["config"], command=" && ".join(p["config"]["command"] for p in parts),
+    command = " && ".join(p["config"]["command"] for p in parts)
+    if rename:
+        command += " (merged with methods renamed: " + "; ".join(f"{a} -> {b}" for a, b in rename.items()) + ")"
+    config = dict(parts[0]["config"], command=command,
                   contexts=sorted({c for p in parts for c in p["config"]["contexts"]}),
                   calibration=[p["config"].get("calibration") for p in parts])
     fid = [f for p in parts for f in p["fidelity"]]
@@ -444,6 +452,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: fidelity, inheritance, extras "
                     "(extras = the first-context-only rows)")
     ap.add_argument("--merge", default=None, help="comma-separated result JSONs to combine into --out (no run)")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                    help="with --merge: relabel method OLD as NEW in every input (repeatable)")
     ap.add_argument("--kv-space", default=None, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2 smoke, 8 full)")
     ap.add_argument("--index-mb", type=int, default=6144, help="index_memory_mb of the engine")
     ap.add_argument("--only", default=None, help="comma-separated method names to run (default: all)")
@@ -454,7 +464,10 @@ def main(argv=None) -> int:
         replot(out.with_suffix(".json"))
         return 0
     if args.merge:
-        print(merge_results([Path(p) for p in args.merge.split(",")], out))
+        if any("=" not in r for r in args.rename):
+            ap.error("--rename takes OLD=NEW, e.g. --rename 'budget(2%)=budget(2%) L<=150'")
+        rename = dict(r.split("=", 1) for r in args.rename)
+        print(merge_results([Path(p) for p in args.merge.split(",")], out, rename))
         return 0
     skip = set(filter(None, args.skip.split(",")))
     # names hold commas: "magicpig(10,150)"; split only on commas outside parentheses
