@@ -1,14 +1,15 @@
 """Budget mode end to end on SmolLM2 through real vLLM: one engine, one prompt of a few K tokens.
 
 Every decode is sampled from the first: each sparse layer chooses the request's (K, L) from its
-own angles, refines it over its first decodes, and its measured fraction lands within +-25% of the
-target. Read from the worker's counters, so a silent fallback to exact decode fails.
+own angles, refines it over its first decodes and steers it by what it sampled, and its measured
+fraction lands within +-25% of the target. Read from the worker's counters, so a silent fallback to exact decode fails.
 """
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import make_llm, stats
+from vllm_magicpig.budget import built_tables
 from vllm_magicpig.eval.tasks import long_text
 
 pytestmark = pytest.mark.e2e
@@ -50,9 +51,11 @@ def test_budget_mode_samples_from_the_first_decode_and_lands_every_layer_on_targ
     per_layer = {}
     for name, entry in b["layers"].items():
         c = entry[f"{TARGET:g}"]
-        assert 1 <= c["K"] <= 16 and 2 <= c["L"] <= 150, (name, c)
+        # L read <= the tables built <= 1.25 x max_L (steering reads within what was built)
+        assert 1 <= c["K"] <= 16 and 2 <= c["L"] <= c["L_built"] <= built_tables(b["max_L"]), (name, c)
         assert c["choices"] == 1 + c["refined"], (name, c)  # one request: its first choice and refinements
-        assert abs(c["model_fraction"] / TARGET - 1) < 0.1, (name, c)  # L is integer: near, not exact
+        if not c["steered"]:  # a steered L meets the target with the model scaled by the measured drift
+            assert abs(c["model_fraction"] / TARGET - 1) < 0.1, (name, c)  # L is integer: near, not exact
         per_layer[name] = c["sampled_fraction"]
         assert c["sampled_fraction"] == pytest.approx(st["sampled_fraction_per_layer"][name])
     assert len(per_layer) == SPARSE_LAYERS

@@ -22,6 +22,10 @@ With ``"target_cost": 0.02`` in ``additional_config["magicpig"]`` nobody picks K
    better on SmolLM2 (noise-level differences), so it is done once. The (K, L) then holds until
    the request's indexed context has grown by ``REGROW`` (a long generation, or a turn inheriting
    a shorter prefix's centre): then it is chosen afresh.
+4. **The choice.** The largest K for which some L <= ``max_L`` reaches the target (sharper buckets
+   concentrate the sample on the keys closest to the query; ``max_L`` bounds memory and lookups),
+   then the integer L whose expected fraction is nearest the target (the fraction grows with L;
+   integer K alone is too coarse to land within a few percent).
 5. **Steering.** Queries drift as a generation goes on: on SmolLM2 at 16K a choice that was on
    target over the first decodes sampled 0.65-1.28x the target per layer over 96 decodes.
    So segments are hashed with ``BUILD_HEADROOM`` times the chosen L tables, and the kernel reads
@@ -29,17 +33,14 @@ With ``"target_cost": 0.02`` in ``additional_config["magicpig"]`` nobody picks K
    L tables, so the estimator is unchanged). After the refinement, every ``STEER_DECODES``
    decodes the fraction the kernel sampled for the request is compared with the target; off by
    more than ``STEER_BAND``, L moves within the built tables to where the model, scaled by the
-   measured / expected ratio, meets the target. No rehash; a refinement that keeps K moves L the
-   same way.
-4. **The choice.** The largest K for which some L <= ``max_L`` reaches the target (sharper buckets
-   concentrate the sample on the keys closest to the query; ``max_L`` bounds memory and lookups),
-   then the integer L whose expected fraction is nearest the target (the fraction grows with L;
-   integer K alone is too coarse to land within a few percent).
+   measured / expected ratio, meets the target: no rehash. Only a drift the tables built cannot
+   follow chooses (K, L) again, for the scaled model, and rehashes. A refinement (step 3) that
+   keeps K and fits the tables built rehashes nothing either.
 
 A request is known by its centre (``CentreSpec.cid``): the planner gives a prompt its centre at the
 first decode, and a prefix-cache hit on the same prompt shares it, with the same keys. Segments are
-keyed by their (K, L) in the index (``index.segment_owner``), so a segment hashed under one (K, L)
-is never read under another.
+keyed by their (K, tables built) in the index (``index.segment_owner``), so a segment hashed under
+one (K, L) is never read under another K or with more tables than it has.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ logger = logging.getLogger("vllm.magicpig")  # under vLLM's logger tree, so its 
 THETA_BINS = 2048
 _CENTRES = (torch.arange(THETA_BINS, dtype=torch.float64) + 0.5) * (math.pi / THETA_BINS)
 
-# Twice the default config's L, so up to twice its index memory: with L <= 150, budget mode at 2% had
+# Twice the default config's L (tables built: up to 2.5x, BUILD_HEADROOM): with L <= 150, budget mode at 2% had
 # to take K ~10 with L near the cap and scored 9 points below full attention at 4K (paired 95%
 # interval [-14.5, -4.1], README); with L <= 300 it takes a larger K, concentrating the sample on
 # the nearest keys, and passes at 4K and 8K
@@ -70,6 +71,7 @@ DEFAULT_CALIBRATION_DECODES = 8  # SmolLM2 2K-8K, 1-4%: 4 (band 10%) left 3 of 2
 BUILD_HEADROOM = 1.25
 STEER_DECODES = 8  # decodes per steering window: one decode's fraction is noisy (+-15%), 8 average it
 STEER_BAND = 0.10  # a window within +-10% of the target leaves L alone
+MAX_CORRECTION = 4.0  # a rehash aims the model at most this far from the target (a window sampling ~nothing)
 REFINE_BAND = 0.05  # a first choice whose expectation over the pooled angles is within +-5% holds
 REGROW = 1.5  # re-choose when the request's indexed keys have grown by this factor since its choice
 MAX_TRACKED = 1 << 15  # (layer, request, target) choices remembered, least recently used dropped
@@ -138,13 +140,9 @@ def choose_kl(hist: torch.Tensor, target: float, max_L: int = DEFAULT_MAX_L) -> 
     return Choice(K, best, expected_fraction(hist, K, best), built_tables(best))
 
 
-def steer(choice: Choice, hist: torch.Tensor, target: float, measured: float) -> Choice:
+def steer(choice: Choice, hist: torch.Tensor, target: float, ratio: float) -> Choice:
     """Per the module docs, step 5: the L, within the built tables, where the model over ``hist``
-    scaled by ``measured`` / its expectation at ``choice.L`` meets ``target`` (same K, same tables)."""
-    expected = expected_fraction(hist, choice.K, choice.L)
-    if expected <= 0 or measured <= 0:  # nothing to scale by: read every table built
-        return Choice(choice.K, choice.L_built, expected_fraction(hist, choice.K, choice.L_built), choice.L_built)
-    ratio = measured / expected
+    times ``ratio`` (measured / expected at ``choice``) meets ``target`` (same K, same tables)."""
     L = nearest_L(lambda n: ratio * expected_fraction(hist, choice.K, n), target, L_RANGE[0], choice.L_built)
     return Choice(choice.K, L, expected_fraction(hist, choice.K, L), choice.L_built)
 
@@ -281,12 +279,13 @@ class Budget:
         if abs(measured / target - 1) <= STEER_BAND:
             return
         old = entry.choice
-        new = steer(old, entry.pooled, target, measured)
-        rehash = new.L == old.L_built and new.model_fraction * measured < target * (1 - STEER_BAND) * \
-            expected_fraction(entry.pooled, old.K, old.L)
-        if rehash:  # the tables built cannot reach the target: choose again for the drifted queries
-            ratio = measured / max(expected_fraction(entry.pooled, old.K, old.L), 1e-12)
-            new = choose_kl(entry.pooled, min(target / max(ratio, 1e-3), 0.5), self.max_L)
+        ratio = measured / max(expected_fraction(entry.pooled, old.K, old.L), 1e-12)
+        new = steer(old, entry.pooled, target, ratio)
+        rehash = False
+        if new.L == old.L_built and ratio * new.model_fraction < target * (1 - STEER_BAND):
+            # the tables built cannot reach the target: choose again, for the model scaled by the drift
+            aim = target / min(max(ratio, 1 / MAX_CORRECTION), MAX_CORRECTION)
+            new = choose_kl(entry.pooled, min(aim, 0.5), self.max_L)
             rehash = (new.K, new.L_built) != (old.K, old.L_built)
         if (new.K, new.L, new.L_built) == (old.K, old.L, old.L_built):  # nowhere to go
             return
