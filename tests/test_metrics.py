@@ -136,7 +136,7 @@ def test_budget_mode_gauges_per_layer_and_target():
     model = "unit-budget"
     ex = Exporter(model)
     budget = {"layers": {"model.layers.3.self_attn.attn": {
-        "0.02": {"K": 11, "L": 120, "model_fraction": 0.02, "K_range": [10, 11], "L_range": [90, 120],
+        "0.02": {"K": 11, "L": 120, "L_built": 150, "model_fraction": 0.02, "K_range": [10, 11], "L_range": [90, 120],
                  "choices": 3, "refined": 1, "sampled_fraction": 0.021},
         "0.04": {"K": 10, "L": 140, "model_fraction": 0.04, "K_range": [10, 10], "L_range": [140, 140],
                  "choices": 1, "refined": 0, "sampled_fraction": None}}}}
@@ -145,6 +145,7 @@ def test_budget_mode_gauges_per_layer_and_target():
     at = dict(model_name=model, rank="0", layer="model.layers.3.self_attn.attn")
     assert value(s, "vllm:magicpig_budget_K", target="0.02", **at) == 11
     assert value(s, "vllm:magicpig_budget_L", target="0.04", **at) == 140
+    assert value(s, "vllm:magicpig_budget_L_built", target="0.02", **at) == 150
     assert value(s, "vllm:magicpig_budget_sampled_fraction", target="0.02", **at) == pytest.approx(0.021)
     assert value(s, "vllm:magicpig_budget_sampled_fraction", target="0.04", **at) is None  # not sampled yet
 

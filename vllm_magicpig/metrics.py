@@ -97,6 +97,7 @@ class _Metrics:
     sparse_seconds: Counter
     budget_K: Gauge
     budget_L: Gauge
+    budget_L_built: Gauge
     budget_fraction: Gauge
 
     def all(self) -> list:
@@ -160,8 +161,10 @@ def metrics() -> _Metrics:
                 sparse_seconds=counter("sparse_seconds", "Seconds spent in sparse decode attention."),
                 budget_K=gauge("budget_K", "Budget mode: the K of a sparse layer's latest request choice for a target.",
                                ("layer", "target")),
-                budget_L=gauge("budget_L", "Budget mode: the L of a sparse layer's latest request choice for a target.",
-                               ("layer", "target")),
+                budget_L=gauge("budget_L", "Budget mode: the L (tables read, as steered) of a sparse layer's latest "
+                               "request choice for a target.", ("layer", "target")),
+                budget_L_built=gauge("budget_L_built", "Budget mode: the tables hashed for that choice (L may be "
+                                     "steered up to it without rehashing).", ("layer", "target")),
                 budget_fraction=gauge(
                     "budget_sampled_fraction", "Budget mode: keys sampled / candidate keys of a sparse layer at "
                     "its choice for a target cost, since the worker started (or magicpig_reset_stats).",
@@ -234,6 +237,7 @@ class Exporter:
                 if isinstance(c, dict):
                     m.budget_K.labels(*labels, layer, target).set(c["K"])
                     m.budget_L.labels(*labels, layer, target).set(c["L"])
+                    m.budget_L_built.labels(*labels, layer, target).set(c.get("L_built", c["L"]))
                     if c.get("sampled_fraction") is not None:
                         m.budget_fraction.labels(*labels, layer, target).set(c["sampled_fraction"])
 
