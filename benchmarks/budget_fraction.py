@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from vllm_magicpig.budget import DEFAULT_MAX_L
+from vllm_magicpig.budget import BUILD_HEADROOM, DEFAULT_MAX_L, STEER_DECODES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NATIVE_LEN = 8192
@@ -94,8 +94,7 @@ def run_engine(model, max_len, contexts, targets, args, log):
                 for name, entry in snap["budget"]["layers"].items():
                     c = entry.get(f"{target:g}")
                     if c:
-                        kl[name] = (c["K"], c["L"], c["model_fraction"], c["refined"], c["L_built"], c["steered"],
-                                    c["L_range"])
+                        kl[name] = (c["K"], c["L"], c["model_fraction"], c["refined"], c["L_built"], c["steered"])
             row = dict(context=ctx, prompt_tokens=n, target=target, decode_s=round(secs, 1),
                        decode_sparse=snap["decode_sparse"], overall=snap["sampled_fraction"],
                        per_layer=per_layer, kl=kl)
@@ -123,7 +122,8 @@ def write_report(rows, args, out: Path, total_s: float, command: str) -> None:
              f"Total time {total_s / 60:.1f} min on a 2-core machine (prefill dominates: the 16K prompt alone "
              "takes several minutes). Each request chooses its (K, L) per sparse layer at its first decode from "
              f"its own query/key angles (L <= {args.max_L}) and refines it over its first {args.calibration_decodes} "
-             "decodes, then steers L within 1.25x the chosen L tables every 8 decodes by the fraction sampled; every "
+             f"decodes, then steers L within {BUILD_HEADROOM}x the chosen L tables every {STEER_DECODES} decodes by "
+             "the fraction sampled; every "
              "decode is sampled and counted. Prompts: Britannica prose (seed = context length). "
              f"{args.decode_tokens} greedy decode tokens per row. 16K: linear RoPE scaling x2.", "",
              "| context | target | overall | min layer | max layer | layers within +-25% | worst rel. error "
@@ -140,7 +140,7 @@ def write_report(rows, args, out: Path, total_s: float, command: str) -> None:
         lines.append(f"| {r['context']} | {r['target']:.0%} | {r['overall']:.2%} | {min(fr):.2%} | {max(fr):.2%} | "
                      f"{r['within']}/{len(fr)} | {r['worst_rel']:+.0%} | {min(ks)}..{max(ks)} | "
                      f"{min(ls)}..{max(ls)} | {sum(v[3] for v in r['kl'].values())} | "
-                     f"{sum(v[5] for v in r['kl'].values() if len(v) > 5)} |")
+                     f"{sum(v[5] for v in r['kl'].values())} |")
     lines += ["", "Per layer: fraction achieved in % (the request's final K/L in that layer):", ""]
     targets = [t for t in args.targets]
     ctxs = sorted({r["context"] for r in rows})

@@ -52,6 +52,11 @@ class DecodeResult:
     exact: dict[int, str] = field(default_factory=dict)  # planned sparse, served exactly: reason
     label: str | None = None  # counter label (default: the method's name)
 
+    def count_by_request(self, counts: torch.Tensor) -> None:
+        """``sampled_by_request`` of the served requests from the kernel's ``[R, H]`` counts."""
+        per_request = counts.sum(dim=1).tolist()
+        self.sampled_by_request = {r: per_request[r] for r in self.served}
+
 
 class DecodeMethod(Protocol):
     name: str

@@ -102,8 +102,7 @@ class MagicPigDecode:
                                             ctx.scale, st.K, st.L, out, sampled_counts=counts, L_read=st.L_read)
         rt.stats.sparse_seconds += time.perf_counter() - t0
         if counts is not None:
-            per_request = counts.sum(dim=1).tolist()
-            result.sampled_by_request = {r: per_request[r] for r in result.served}
+            result.count_by_request(counts)
         return result
 
 

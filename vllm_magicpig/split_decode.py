@@ -134,7 +134,6 @@ class SplitMagicPigDecode:
                                 host_out.to(device=device, non_blocking=True).to(out.dtype),
                                 host_lse.t().to(device, non_blocking=True))
         rt.stats.sparse_seconds += time.perf_counter() - t0
-        per_request = counts.sum(dim=1).tolist()
-        result.sampled_by_request = {r: per_request[r] for r in result.served}
+        result.count_by_request(counts)
         result.sampled = sum(result.sampled_by_request.values())
         return result
