@@ -73,14 +73,15 @@ struct Unit {
 struct Rows {
   const uint16_t* kb;
   const uint16_t* vb;
-  const uint16_t* idx;   // row i is kb + idx[i]*d (segment) or kb + i*d (dense tile)
+  const uint16_t* idx;   // row i is kb + idx[i]*stride (segment) or kb + i*stride (dense tile)
   const uint16_t* mask;  // per row: bit g = query head g attends this row
   const float* knorm;    // segment only: |k - c| by token id
   int n;
+  int stride;  // elements from one token's row to the next: 2d in a segment's K/V mirror, d in a tile
   bool seg;
   int off[MAXG + 1];
-  const uint16_t* row(const uint16_t* base, int i, int d) const {
-    return base + static_cast<size_t>(idx ? idx[i] : i) * d;
+  const uint16_t* row(const uint16_t* base, int i) const {
+    return base + static_cast<size_t>(idx ? idx[i] : i) * stride;
   }
 };
 

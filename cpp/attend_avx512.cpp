@@ -18,10 +18,10 @@ MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& he
   std::copy(rows.off, rows.off + heads.G, pos);
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) {
-      prefetch_row(rows.row(rows.kb, i + kPrefetchRows, d), d);
+      prefetch_row(rows.row(rows.kb, i + kPrefetchRows), d);
       if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
     }
-    const uint16_t* kr = rows.row(rows.kb, i, d);
+    const uint16_t* kr = rows.row(rows.kb, i);
     for (int j = 0; j < d; j += 16) _mm512_storeu_ps(kf + j, load16(kr + j, args.dtype));
     const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
@@ -40,10 +40,10 @@ MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const H
   std::copy(rows.off, rows.off + heads.G, pos);
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) {
-      prefetch_row(rows.row(rows.kb, i + kPrefetchRows, d), d);
+      prefetch_row(rows.row(rows.kb, i + kPrefetchRows), d);
       if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
     }
-    const uint16_t* kr = rows.row(rows.kb, i, d);
+    const uint16_t* kr = rows.row(rows.kb, i);
     const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
       const int g = __builtin_ctz(m), p = pos[g]++;
@@ -132,8 +132,8 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_row(rows.row(rows.vb, i + kPrefetchRows, d), d);
-    const uint16_t* vr = rows.row(rows.vb, i, d);
+    if (i + kPrefetchRows < n) prefetch_row(rows.row(rows.vb, i + kPrefetchRows), d);
+    const uint16_t* vr = rows.row(rows.vb, i);
     for (int j = 0; j < d; j += 16) _mm512_storeu_ps(vf + j, load16(vr + j, args.dtype));
     for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
       const int g = __builtin_ctz(msk);

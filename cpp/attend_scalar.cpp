@@ -85,7 +85,7 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    const uint16_t* kr = rows.row(rows.kb, i, d);
+    const uint16_t* kr = rows.row(rows.kb, i);
     for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
     const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
@@ -128,7 +128,7 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    const uint16_t* vr = rows.row(rows.vb, i, d);
+    const uint16_t* vr = rows.row(rows.vb, i);
     for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);
     for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
       const int g = __builtin_ctz(msk);

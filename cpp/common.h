@@ -133,8 +133,12 @@ using BigVec = std::vector<T, HugePageAllocator<T>>;
 // shared by any number of concurrent kernel calls.
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
-  bool dense_dir = true;                // dense 2^K offset table, else sorted distinct codes
-  BigVec<uint16_t> kmir, vmir;          // [hkv][n][d]
+  bool dense_dir = true;  // dense 2^K offset table, else sorted distinct codes
+  // The K/V mirror, [hkv][n][2][d]: token i's K row, then its V row.  Decode reads the sampled rows at
+  // random over hundreds of MB, K first, then V; side by side, a token's V row shares its K row's page
+  // (and DRAM row), so the V pass finds it nearby.  Against separate K and V arrays this cut the V pass
+  // by half at 128K tokens (benchmarks/results/kernel_bench.md).
+  BigVec<uint16_t> kv;
   BigVec<float> knorm;                  // [hkv][n]  |k - c|, fp32
   BigVec<uint16_t> ids;                 // [hkv*L][n] token ids grouped by bucket (ascending inside)
   BigVec<uint16_t> off;                 // dense: [hkv*L][2^K + 1] bucket starts
@@ -179,7 +183,9 @@ struct Segment {
   size_t index_bytes() const {
     return ids.size() * 2 + off.size() * 2 + dir_begin.size() * 4 + ucode.size() * 2 + ustart.size() * 2;
   }
-  size_t mirror_bytes() const { return (kmir.size() + vmir.size()) * 2 + knorm.size() * 4; }
+  // Token i of KV head h: its K row; its V row follows at + d.
+  const uint16_t* kv_row(int h, int i) const { return kv.data() + (static_cast<size_t>(h) * n + i) * 2 * d; }
+  size_t mirror_bytes() const { return kv.size() * 2 + knorm.size() * 4; }
 };
 
 using SegmentPtr = std::shared_ptr<const Segment>;

@@ -108,8 +108,7 @@ std::shared_ptr<Segment> new_segment(int n, int hkv, int d, int dtype, int K, in
   s.K = K;
   s.L = L;
   s.dtype = dtype;
-  s.kmir.resize(static_cast<size_t>(hkv) * n * d);
-  s.vmir.resize(s.kmir.size());
+  s.kv.resize(static_cast<size_t>(hkv) * n * 2 * d);
   s.knorm.resize(static_cast<size_t>(hkv) * n);
   return sp;
 }
@@ -124,9 +123,9 @@ void mirror_block(Segment& s, const uint16_t* keys, const uint16_t* values, cons
   const int n = s.n, hkv = s.hkv, d = s.d, dtype = s.dtype;
   const float* c = centre + static_cast<size_t>(h) * d;
   for (int t = 0; t < T; ++t) {
-    const size_t i = t0 + t, src = (i * hkv + h) * d, dst = (h * static_cast<size_t>(n) + i) * d;
-    std::memcpy(&s.kmir[dst], keys + src, d * 2);
-    std::memcpy(&s.vmir[dst], values + src, d * 2);
+    const size_t i = t0 + t, src = (i * hkv + h) * d, dst = (h * static_cast<size_t>(n) + i) * 2 * d;
+    std::memcpy(&s.kv[dst], keys + src, d * 2);
+    std::memcpy(&s.kv[dst + d], values + src, d * 2);
     double ss = 0;
     for (int j = 0; j < d; ++j) {
       const float v = to_f(keys[src + j], dtype) - c[j];
@@ -355,15 +354,13 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, in
                                   " tokens");
   }
   const int n = s.n, d = s.d, T = s.hkv * s.L;
-  s.kmir.resize(static_cast<size_t>(s.hkv) * n * d);
-  s.vmir.resize(s.kmir.size());
+  s.kv.resize(static_cast<size_t>(s.hkv) * n * 2 * d);
   s.knorm.resize(static_cast<size_t>(s.hkv) * n);
   for (int h = 0; h < s.hkv; ++h) {
     size_t o = 0;
     for (auto& p : parts) {
       const size_t src = static_cast<size_t>(h) * p->n, dst = static_cast<size_t>(h) * n + o;
-      std::copy_n(p->kmir.begin() + src * d, static_cast<size_t>(p->n) * d, s.kmir.begin() + dst * d);
-      std::copy_n(p->vmir.begin() + src * d, static_cast<size_t>(p->n) * d, s.vmir.begin() + dst * d);
+      std::copy_n(p->kv.begin() + src * 2 * d, static_cast<size_t>(p->n) * 2 * d, s.kv.begin() + dst * 2 * d);
       std::copy_n(p->knorm.begin() + src, p->n, s.knorm.begin() + dst);
       o += p->n;
     }

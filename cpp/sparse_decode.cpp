@@ -174,8 +174,9 @@ int64_t sparse_decode(const AttnArgs& in) {
       }
       const Segment& seg = *unit.seg;
       const size_t base = static_cast<size_t>(unit.kvh) * seg.n;
-      rows.kb = seg.kmir.data() + base * args.d;
-      rows.vb = seg.vmir.data() + base * args.d;
+      rows.kb = seg.kv_row(unit.kvh, 0);
+      rows.vb = rows.kb + args.d;
+      rows.stride = 2 * args.d;
       rows.idx = scratch.list.data();
       rows.mask = scratch.rmask.data();
       rows.knorm = seg.knorm.data() + base;
@@ -188,6 +189,7 @@ int64_t sparse_decode(const AttnArgs& in) {
       scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
       rows.kb = scratch.ktile.data();
       rows.vb = scratch.vtile.data();
+      rows.stride = args.d;
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
       std::fill_n(part_count + slot, unit.G, int64_t{0});
       for (int g = 0; g <= unit.G; ++g) rows.off[g] = g * rows.n;
