@@ -15,7 +15,11 @@ Method (identical for both backends, each in its own engine, with the same threa
    and only decode steps are compared;
 4. the cold path a user meets: one new prompt of the same length (no prefix-cache hit),
    prefill plus ``--cold-tokens`` tokens, the index build included; reported as ms per
-   generated token (``--cold-tokens 0`` skips it).
+   generated token (``--cold-tokens 0`` skips it);
+5. the step's floor: the same decode timing over prompts of ~64 tokens, where attention costs
+   next to nothing: the model's other work and the engine's loop. With it, each row's step is
+   split into the floor, the sparse layers (MAGICPIG's own timer) and the rest (the dense layers),
+   and the speed-up a free sparse layer would give is bounded (Amdahl).
 Contexts above the model's trained length use linear RoPE scaling (``hf_overrides``) for BOTH
 backends. The measured sampled fraction is printed next to every MAGICPIG time.
 
@@ -40,6 +44,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 SHORT_TOKENS = 8  # the short run of the decode difference (see decode_seconds)
 REPEATS = 2  # runs of each length; the fastest counts
+FLOOR_WORDS = 48  # words of a floor prompt (~64 tokens): attention over it is next to free
 
 
 LLAMA_D128 = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
@@ -142,6 +147,34 @@ def kv_bytes_per_token(model: str) -> int:
     return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2 * 2
 
 
+def num_layers(model: str) -> int:
+    return json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+
+
+def floor_ms_per_step(llm, batch: int, decode_tokens: int) -> float:
+    """ms per decode step of ``batch`` prompts of ~64 tokens: the step without (much) attention."""
+    from vllm import SamplingParams
+
+    words = " ".join(["the river runs past the old mill"] * (FLOOR_WORDS // 7))
+    prompts = [f"Note {i}: {words}" for i in range(batch)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    decode_s, _ = decode_seconds(llm, prompts, decode_tokens)
+    return round(1000 * decode_s / decode_tokens, 2)
+
+
+def sparse_ms_per_step(st: dict, batch: int, layers: int) -> float:
+    """MAGICPIG's sparse-layer time (its own timer, index builds excluded) per decode step of the window."""
+    decodes = st["decode_sparse"] + sum(st["decode_exact"].values())
+    steps = decodes / (batch * layers)
+    return round(1000 * st["sparse_seconds"] / max(steps, 1e-9), 2)
+
+
+def dense_layers_per_step(st: dict, batch: int, layers: int) -> float:
+    """Layers per step served exactly because they are dense (config), from the decode counters."""
+    decodes = st["decode_sparse"] + sum(st["decode_exact"].values())
+    return layers * st["decode_exact"].get("dense_layer", 0) / max(decodes, 1)
+
+
 def run_backend(backend, model, contexts, batches, decode_tokens, magicpig, cold_tokens=0, trained_len=8192,
                 dummy=False):
     from vllm import SamplingParams
@@ -152,6 +185,8 @@ def run_backend(backend, model, contexts, batches, decode_tokens, magicpig, cold
     llm = _engine(model, backend, max_len, magicpig, trained_len, dummy)
     tok = llm.get_tokenizer()
     kv_bpt = kv_bytes_per_token(model)
+    layers = num_layers(model)
+    floor = {b: floor_ms_per_step(llm, b, decode_tokens) for b in batches}
     rows = []
     for ctx in contexts:
         prompts = [passkey.build(tok, ctx, seed=1000 + ctx + i, depth=0.5).text for i in range(max(batches))]
@@ -173,13 +208,15 @@ def run_backend(backend, model, contexts, batches, decode_tokens, magicpig, cold
                        first_run_s=round(first_s, 3), decode_s=round(decode_s, 3),
                        tok_per_s=round(b * decode_tokens / decode_s, 2),
                        ms_per_step=round(1000 * decode_s / decode_tokens, 2),
-                       request_s=round(request_s, 3), kv_bytes_per_token=kv_bpt)
+                       request_s=round(request_s, 3), kv_bytes_per_token=kv_bpt, floor_ms_per_step=floor[b])
             if backend == "MAGICPIG":
                 st = _stats(llm)
                 row.update(sampled_fraction=st["sampled_fraction"], decode_sparse=st["decode_sparse"],
                            decode_exact=st["decode_exact"], index_MiB=round(st["index_bytes"] / 2**20, 1),
                            mirror_MiB=round(st["mirror_bytes"] / 2**20, 1), index_build_s=round(build_s, 2),
-                           bytes_per_token=bytes_per_token(st, b * ctx), sparse_kernel_s=st["sparse_seconds"])
+                           bytes_per_token=bytes_per_token(st, b * ctx), sparse_kernel_s=st["sparse_seconds"],
+                           sparse_ms_per_step=sparse_ms_per_step(st, b, layers),
+                           dense_layers=dense_layers_per_step(st, b, layers), layers=layers)
             print(json.dumps(row), flush=True)
             rows.append(row)
         rows[-1]["first_decode_ms"] = first_decode_ms(llm, backend, prompts[0])
@@ -263,6 +300,7 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
             f"{b['ms_per_step']} / {r['ms_per_step']} | {r['bytes_per_token']} / {r['kv_bytes_per_token']} | "
             f"{r['index_build_s']} | {r['index_build_s'] / (prefill_each * r['batch']):.1%} |"
         )
+    lines += breakdown_lines(rows, base)
     first = [r for r in rows if r["backend"] == "MAGICPIG" and "first_decode_ms" in r]
     if first:
         lines += ["", "First decode step of a prompt whose index is not built yet (MAGICPIG's index cleared before "
@@ -295,6 +333,35 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
                          f"{'n/a' if frac is None else f'{frac:.2%}'} | {b['cold_prefill_s']} | "
                          f"{b['cold_decode_ms_per_step']} / {r['cold_decode_ms_per_step']} | {r['index_build_s']} | "
                          f"{max(extra, 0.0) / b['cold_prefill_s']:.1%} |")
+    return lines
+
+
+def breakdown_lines(rows: list[dict], base: dict) -> list[str]:
+    """Where each row's step goes, and the speed-up that would remain if the sparse layers cost nothing."""
+    parts = [r for r in rows if r["backend"] == "MAGICPIG" and r["batch"] != "cold" and "sparse_ms_per_step" in r
+             and "floor_ms_per_step" in base[(r["threads"], r["context"], r["batch"])]]
+    if not parts:
+        return []
+    lines = ["", "Step breakdown, ms per decode step. Floor: the same timing over ~64-token prompts (the model's other "
+             "work and the engine's loop; attention next to free). CPU_ATTN attention: its step less its floor. "
+             "MAGICPIG sparse layers: its own timer around them (index builds excluded); the rest is mostly the "
+             "dense layers, attended exactly. Bound: CPU_ATTN's step over MAGICPIG's floor plus its dense layers' "
+             "share of CPU_ATTN's attention, the speed-up if the sparse layers cost nothing.", "",
+             "| threads | context | batch | floor (CPU_ATTN / MAGICPIG) | CPU_ATTN step | CPU_ATTN attention | "
+             "MAGICPIG step | sparse layers | rest | dense layers | speed-up | bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in parts:
+        b = base[(r["threads"], r["context"], r["batch"])]
+        attention = b["ms_per_step"] - b["floor_ms_per_step"]
+        rest = r["ms_per_step"] - r["floor_ms_per_step"] - r["sparse_ms_per_step"]
+        dense = attention * r["dense_layers"] / r["layers"]
+        bound = b["ms_per_step"] / (r["floor_ms_per_step"] + dense)
+        lines.append(f"| {r['threads']} | {r['context']} | {r['batch']} | {b['floor_ms_per_step']} / "
+                     f"{r['floor_ms_per_step']} | {b['ms_per_step']} | {attention:.1f} | {r['ms_per_step']} | "
+                     f"{r['sparse_ms_per_step']} | {rest:.1f} | {r['dense_layers']:.0f} of {r['layers']} | "
+                     f"{r['tok_per_s'] / b['tok_per_s']:.2f}x | {bound:.2f}x |")
+    lines += ["", "A bound below a speed-up target puts that target out of reach of this model on this machine, "
+              "whatever the sparse layers cost: the floor and the dense layers alone take longer."]
     return lines
 
 

@@ -75,3 +75,29 @@ def test_first_decode_delay_is_magicpigs_first_step_over_cpu_attns_against_one_p
     row = next(line for line in lines if line.startswith("| default | 4096 | 100.0 | 150.0 |"))
     # 0.05 s more than exact, against one prompt's 10 s prefill (4 prompts in 40 s)
     assert row.endswith("| 0.05 s | 10.0 | 0.5% |")
+
+
+def test_breakdown_splits_the_step_and_bounds_the_speed_up_by_the_floor_and_dense_layers():
+    rows = _rows()
+    for r in rows:
+        r["floor_ms_per_step"] = 20.0
+        if r["backend"] == "CPU_ATTN":
+            r.update(ms_per_step=60.0, tok_per_s=r["batch"] / 0.060)  # 40 ms of attention over 4 layers: 10 a layer
+        else:
+            r.update(ms_per_step=40.0, tok_per_s=r["batch"] / 0.040, sparse_ms_per_step=6.0, dense_layers=1.0,
+                     layers=4)
+    lines = e2e_decode.table_lines(rows, decode_tokens=32, cold_tokens=0)
+    row = next(line for line in lines if line.startswith("| default | 16384 | 4 | 20.0 / 20.0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # CPU_ATTN: 60 ms step, 40 of attention; MAGICPIG: 40 = 20 floor + 6 sparse + 14 rest
+    assert cells[4:9] == ["60.0", "40.0", "40.0", "6.0", "14.0"]
+    assert cells[9] == "1 of 4"
+    # free sparse layers leave the floor and the dense layer's 10 ms: 60 / 30
+    assert cells[10] == "1.50x" and cells[11] == "2.00x"
+
+
+def test_sparse_time_and_dense_layers_per_step_come_from_the_counters():
+    st = {"decode_sparse": 3 * 2 * 10, "decode_exact": {"dense_layer": 1 * 2 * 10}, "sparse_seconds": 0.12}
+    # 10 steps of batch 2 over 4 layers (3 sparse, 1 dense): 12 ms of sparse layers a step
+    assert e2e_decode.sparse_ms_per_step(st, batch=2, layers=4) == 12.0
+    assert e2e_decode.dense_layers_per_step(st, batch=2, layers=4) == 1.0
