@@ -140,15 +140,19 @@ def bytes_per_token(st: dict, tokens: int) -> int:
     return round((st["index_bytes"] + st["mirror_bytes"]) / max(tokens, 1))
 
 
+def model_config(model: str) -> dict:
+    return json.loads((Path(model) / "config.json").read_text())
+
+
 def kv_bytes_per_token(model: str) -> int:
     """vLLM's own KV cache bytes per token (bf16 K and V, every layer)."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    cfg = model_config(model)
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2 * 2
 
 
 def num_layers(model: str) -> int:
-    return json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    return model_config(model)["num_hidden_layers"]
 
 
 def floor_ms_per_step(llm, batch: int, decode_tokens: int) -> float:
@@ -162,17 +166,20 @@ def floor_ms_per_step(llm, batch: int, decode_tokens: int) -> float:
     return round(1000 * decode_s / decode_tokens, 2)
 
 
+def _decodes(st: dict) -> int:
+    """(request, layer) decodes of the stats window, sparse and exact."""
+    return st["decode_sparse"] + sum(st["decode_exact"].values())
+
+
 def sparse_ms_per_step(st: dict, batch: int, layers: int) -> float:
     """MAGICPIG's sparse-layer time (its own timer, index builds excluded) per decode step of the window."""
-    decodes = st["decode_sparse"] + sum(st["decode_exact"].values())
-    steps = decodes / (batch * layers)
+    steps = _decodes(st) / (batch * layers)
     return round(1000 * st["sparse_seconds"] / max(steps, 1e-9), 2)
 
 
 def dense_layers_per_step(st: dict, batch: int, layers: int) -> float:
     """Layers per step served exactly because they are dense (config), from the decode counters."""
-    decodes = st["decode_sparse"] + sum(st["decode_exact"].values())
-    return layers * st["decode_exact"].get("dense_layer", 0) / max(decodes, 1)
+    return layers * st["decode_exact"].get("dense_layer", 0) / max(_decodes(st), 1)
 
 
 def run_backend(backend, model, contexts, batches, decode_tokens, magicpig, cold_tokens=0, trained_len=8192,

@@ -133,13 +133,9 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     kcache, vcache = kv_cache.chunk(2, dim=2)
     if ops is not None:
         ops.cpu_attn_reshape_and_cache(keys, vals, kcache, vcache, slots, "vec")
-
-    def views(cache):  # the kernel's (block, slot, head, dim) views of a "vec" cache's K and V
-        flat = cache.view(-1)
-        return (flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, 1, 2 * BLOCK * D, BLOCK)),
-                flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, D, 2 * BLOCK * D, 1), BLOCK * D))
-
-    kview, vview = views(kv_cache)
+    flat = kv_cache.view(-1)
+    kview = flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, 1, 2 * BLOCK * D, BLOCK))
+    vview = flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, D, 2 * BLOCK * D, 1), BLOCK * D)
     if ops is None:  # same layout by hand
         kview[slots // BLOCK, slots % BLOCK] = keys
         vview[slots // BLOCK, slots % BLOCK] = vals
@@ -151,18 +147,19 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     lse = torch.empty(1, H)
     cnt = torch.zeros(1, H, dtype=torch.int64)
 
-    def mp(force_scalar=False, layer=(segs, kview, vview)):
+    def mp(force_scalar=False, layer_segs=segs):
         # check_values=False as the backend calls it (ops.CpuKernelOps.attend): the O(n) value scans
         # of the validation are for direct callers, not the decode hot path.
-        kx.sparse_decode_attention(q, qcodes, qdc, [layer[0]], layer[1], layer[2], block_table=bt,
-                                   dense_ranges=ranges, scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=cnt,
+        kx.sparse_decode_attention(q, qcodes, qdc, [layer_segs], kview, vview, block_table=bt, dense_ranges=ranges,
+                                   scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=cnt,
                                    force_scalar=force_scalar, check_values=False)
 
     t_mp = timeit(mp, reps)
-    # Cold: layer copies in turn (same keys, same codes: the same work at other addresses).
+    # Cold: copies of the segments in turn (same keys, same codes: the same work at other addresses;
+    # the few dense tokens stay in one cache).
     n_cold = cold_layers(index_b + mirror_b)
-    layers = [(segs, kview, vview)] + [(build(), kview, vview) for _ in range(n_cold - 1)]
-    cold_fns = [lambda lay=lay: mp(layer=lay) for lay in layers]
+    layers = [segs] + [build() for _ in range(n_cold - 1)]
+    cold_fns = [lambda lay=lay: mp(layer_segs=lay) for lay in layers]
     t_mp_cold = timeit_in_turn(cold_fns, max(reps, 2 * n_cold))
     prof = {}
     for mode, fns in (("warm", [mp]), ("cold", cold_fns)):
@@ -202,15 +199,14 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
         meta = ops.cpu_attn_get_scheduler_metadata(1, H, hkv, D, seq, torch.bfloat16, qsl, True, -1, "vec", False)
         vout = torch.empty(1, H, D, dtype=torch.bfloat16)
 
+        def vl_on(kc, vc):
+            ops.cpu_attention_with_kv_cache(q, kc, vc, vout, qsl, seq, scale, True, None, -1, bt, 0.0, meta, None)
+
         def vl():
-            ops.cpu_attention_with_kv_cache(q, kcache, vcache, vout, qsl, seq, scale, True, None, -1, bt, 0.0,
-                                            meta, None)
+            vl_on(kcache, vcache)
         res["t_vllm"] = timeit(vl, max(3, reps // 2))
         caches = [(kcache, vcache)] + [kv_cache.clone().chunk(2, dim=2)
                                        for _ in range(cold_layers(kv_cache.numel() * 2) - 1)]
-
-        def vl_on(kc, vc):
-            ops.cpu_attention_with_kv_cache(q, kc, vc, vout, qsl, seq, scale, True, None, -1, bt, 0.0, meta, None)
         res["t_vllm_cold"] = timeit_in_turn([lambda c=c: vl_on(*c) for c in caches], max(3, reps // 2, 2 * len(caches)))
         del caches
         vl()
