@@ -1,5 +1,6 @@
 // Internal to sparse decode attention: what the driver (sparse_decode.cpp), retrieval and dense
-// gather (retrieve.cpp) and the twin attention paths (attend_scalar.cpp, attend_avx512.cpp) share.
+// gather (retrieve.cpp) and the twin attention paths (attend_scalar.cpp, attend_avx2.cpp,
+// attend_avx512.cpp) share.
 //
 // A unit is (request, KV head, group of <= MAXG query heads, one segment or one dense chunk).  It
 // collects its rows (retrieve or gather_dense), then attends: q.k -> logits and softmax -> V
@@ -115,6 +116,11 @@ struct Scratch {
 // Rows ahead of the current one whose lines are prefetched in the row loops.
 constexpr int kPrefetchRows = 16;
 
+// The cache lines of one d-element 16-bit row.
+inline void prefetch_row(const uint16_t* p, int d) {
+  for (int j = 0; j < d; j += 32) __builtin_prefetch(p + j);
+}
+
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -146,6 +152,8 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch);
 void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                    const float* neg_log_u_table);
 #if defined(__x86_64__)
+void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
+                 const float* neg_log_u_table);
 // isa is Avx512 or Avx512Bf16 (the bf16 dot for q.k).
 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                    const float* neg_log_u_table, Isa isa);

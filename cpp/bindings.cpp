@@ -282,6 +282,7 @@ PYBIND11_MODULE(_C, m) {
       },
       "Seconds per phase, summed over threads, since set_profiling(True).");
   m.def("active_isa", &active_isa);
+  m.def("cpu_isa", []() { return isa_name(cpu_isa()); }, "The fastest path this CPU runs, whatever MAGICPIG_ISA says.");
   m.def(
       "max_threads", []() { return omp_get_max_threads(); },
       "omp_get_max_threads(): the team size of a call that passes no num_threads (torch's OpenMP runtime, so "
@@ -289,5 +290,4 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "last_team_size", []() { return g_last_team_size.load(); },
       "Threads in the team of the unit loop of the last sparse_decode with any unit (0 before one; process-wide).");
-  m.def("has_avx512", &cpu_has_avx512);
 }

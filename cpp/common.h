@@ -191,14 +191,13 @@ struct Segment {
 using SegmentPtr = std::shared_ptr<const Segment>;
 
 // ---- ISA (isa.cpp) ----
-// The instruction sets a call may run on, slowest to fastest.  Resolved once at the top of each
-// entry point; nothing below the entry point re-detects or re-reads the environment.
-enum class Isa { Scalar, Avx512, Avx512Bf16 };
-bool cpu_has_avx512();  // avx512f+bw+vl+dq (+fma, f16c); false when MAGICPIG_NO_AVX512 is set
-bool cpu_has_avx512bf16();
-// The fastest ISA this CPU runs, or Scalar when force_scalar (or MAGICPIG_NO_AVX512) says so.
+// The instruction sets a call may run on, slowest to fastest (the order is compared).  Resolved once
+// at the top of each entry point; nothing below the entry point re-detects or re-reads the environment.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16 };
+// The fastest ISA this CPU runs, capped by MAGICPIG_ISA, or Scalar when force_scalar says so.
 Isa resolve_isa(bool force_scalar);
-const char* isa_name(Isa isa);  // "scalar", "avx512", "avx512_bf16"
+Isa cpu_isa();                  // the fastest ISA this CPU runs, whatever MAGICPIG_ISA says
+const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
 const char* active_isa();       // isa_name(resolve_isa(false))
 
 // ---- hashing (hash.cpp) ----

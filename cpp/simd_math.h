@@ -43,10 +43,6 @@ MP_AVX512 inline __m512 acos_ps(__m512 x) {
   return _mm512_mask_sub_ps(r, neg, _mm512_set1_ps(static_cast<float>(PI)), r);
 }
 
-inline void prefetch_row(const uint16_t* p, int d) {
-  for (int j = 0; j < d; j += 32) __builtin_prefetch(p + j);
-}
-
 MP_AVX512 inline float dot_f32(const float* q, const float* k, int d) {
   __m512 acc = _mm512_setzero_ps();
   for (int j = 0; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), acc);

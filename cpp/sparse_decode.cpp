@@ -197,8 +197,12 @@ int64_t sparse_decode(const AttnArgs& in) {
     }
     const Partial part{part_max + slot, part_sum + slot, part_acc + slot * args.d};
 #if defined(__x86_64__)
-    if (isa != Isa::Scalar) {
+    if (isa >= Isa::Avx512) {
       attend_avx512(args, rows, heads, scratch, part, neg_log_u_table, isa);
+      continue;
+    }
+    if (isa == Isa::Avx2) {
+      attend_avx2(args, rows, heads, scratch, part, neg_log_u_table);
       continue;
     }
 #endif

@@ -212,12 +212,16 @@ def test_pure_decode_at_default_budget_samples_few_keys(vllm_env):
 
 
 def test_mixed_decode_and_prefill(vllm_env):
-    """Decodes first (the builder's reorder threshold): prefill rows are exactly CPU_ATTN's,
-    decode rows are sampled."""
+    """Decodes first (the builder's reorder threshold): prefill rows are CPU_ATTN's, decode rows
+    are sampled."""
     h = harness(vllm_env, BatchSpec([3000, 2100, 600, 1400], [1, 1, 37, 200]), K=1, L=64)
     out, ref, meta = h.step()
     assert meta.num_decodes == 2 and meta.num_prefills == 2
-    assert torch.equal(out[2:], ref[2:])
+    # MAGICPIG hands vLLM's kernel the prefill part of the batch, the reference the whole batch.
+    # On AVX-512 the two agree bit for bit; vLLM's AVX2 build tiles a prefill by the batch it is
+    # in, so a few outputs there move by one bf16 rounding step (2^-7 relative, or ~1e-8 for an
+    # output near zero). A sampled estimate would be off by far more.
+    torch.testing.assert_close(out[2:], ref[2:], rtol=2**-7, atol=1e-5)
     for r in range(2):
         assert rel_err(out[r], ref[r]) < 2e-2
     st = h.stats()

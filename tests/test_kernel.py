@@ -19,7 +19,7 @@ from vllm_magicpig.eval import reference as ref
 
 from helpers import to_paged
 
-HAS_FAST = kx.active_isa() != "scalar"
+HAS_FAST = kx.active_isa() != "scalar"  # a SIMD path (AVX2 or AVX-512) runs by default
 PATHS = [True, False] if HAS_FAST else [True]  # force_scalar values to run
 
 
@@ -160,10 +160,10 @@ def test_codes_match_reference(K, L, n):
     assert seg.num_tokens == n and seg.num_kv_heads == hkv and seg.head_dim == D and seg.K == K and seg.L == L
 
 
-@pytest.mark.skipif(not HAS_FAST, reason="no AVX-512 on this CPU: both paths are the scalar hash")
+@pytest.mark.skipif(not HAS_FAST, reason="no SIMD path on this CPU: both paths are the scalar hash")
 @pytest.mark.parametrize("K,L,D", [(10, 150, 64), (16, 8, 128), (3, 40, 72)])
 def test_scalar_hash_matches_fast(K, L, D):
-    """The scalar hash is the AVX-512 hash's twin (mul+add vs FMA): same codes up to float32 ties,
+    """The scalar hash is the SIMD hashes' twin (mul+add vs FMA): same codes up to float32 ties,
     for queries (hash_codes, any D) and for keys (build_segment)."""
     seed, gen = new_seed()
     W = torch.randn(D, K * L, generator=gen)
@@ -392,7 +392,7 @@ def test_edge_expectations():
 TWIN_RTOL = 1e-5
 
 
-@pytest.mark.skipif(not HAS_FAST, reason="no AVX-512 on this CPU")
+@pytest.mark.skipif(not HAS_FAST, reason="no SIMD path on this CPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("qdtype", [torch.float32, None], ids=["fp32_query", "cache_dtype_query"])
 def test_fast_path_matches_scalar(dtype, qdtype):
@@ -651,6 +651,10 @@ def test_profiling_reports_phases():
 
 
 def test_active_isa_reported():
-    assert kx.active_isa() in ("avx512_bf16", "avx512", "scalar")
-    if os.environ.get("MAGICPIG_NO_AVX512"):  # set by tests/test_kernel_scalar.py
-        assert kx.active_isa() == "scalar"
+    names = kx.ISA_NAMES
+    assert kx.active_isa() in names and kx.cpu_isa() in names
+    cap = os.environ.get("MAGICPIG_ISA")  # set by tests/test_kernel_isas.py
+    if cap is None:
+        assert kx.active_isa() == kx.cpu_isa()
+    else:  # the cap, or the CPU's best below it
+        assert kx.active_isa() == names[min(names.index(cap), names.index(kx.cpu_isa()))]

@@ -12,6 +12,7 @@ asks for that many threads whatever the current default is.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from . import _C, limits
 
 __all__ = [
     "Segment", "build_segment", "build_segment_from_codes", "merge_segments", "hash_codes",
-    "sparse_decode_attention", "active_isa", "max_threads", "profiling", "MAX_SEGMENT_TOKENS",
+    "sparse_decode_attention", "active_isa", "cpu_isa", "ISA_NAMES", "max_threads", "profiling", "MAX_SEGMENT_TOKENS",
 ]
 
 MAX_SEGMENT_TOKENS = limits.MAX_SEGMENT_TOKENS
@@ -28,6 +29,12 @@ if _C.MAX_SEGMENT_TOKENS != MAX_SEGMENT_TOKENS:
     raise ImportError(f"vllm_magicpig._C was built with MAX_SEGMENT_TOKENS={_C.MAX_SEGMENT_TOKENS}, but "
                       f"vllm_magicpig.limits says {MAX_SEGMENT_TOKENS}: rebuild the extension "
                       "(python setup.py build_ext --inplace)")
+# The kernel's paths, slowest to fastest. MAGICPIG_ISA caps the path process-wide (to run the kernel
+# as it runs on an older CPU); the C++ side reads it once, so a typo is refused here, not ignored.
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16")
+if os.environ.get("MAGICPIG_ISA", ISA_NAMES[-1]) not in ISA_NAMES:
+    raise ImportError(f"MAGICPIG_ISA={os.environ['MAGICPIG_ISA']!r} is not one of {', '.join(ISA_NAMES)}: "
+                      "set one of those, or unset it to run the fastest path this CPU has")
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 # The dtypes sparse_decode reads queries in and writes outputs in directly (an fp16 output goes
@@ -37,8 +44,14 @@ _OUT_CODE = {torch.bfloat16: 0, torch.float32: 2}
 
 
 def active_isa() -> str:
-    """The fastest path this CPU runs: "avx512_bf16", "avx512" or "scalar"."""
+    """The path the kernel runs: the fastest this CPU has ("avx512_bf16", "avx512", "avx2" or
+    "scalar"), capped by ``MAGICPIG_ISA``."""
     return _C.active_isa()
+
+
+def cpu_isa() -> str:
+    """The fastest path this CPU has, whatever ``MAGICPIG_ISA`` says."""
+    return _C.cpu_isa()
 
 
 def max_threads() -> int:
@@ -191,7 +204,7 @@ def build_segment(keys, values, centre, projection, K: int, L: int, *, force_sca
                   num_threads: int | None = None) -> Segment:
     """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table.
 
-    ``force_scalar`` hashes with the portable path even where AVX-512 is available (for tests)."""
+    ``force_scalar`` hashes with the portable path even where a SIMD path is available (for tests)."""
     _check_kl(K, L)
     n, hkv, D = _check_kv(keys, values, centre)
     projection = _check_projection(projection, D, K, L)

@@ -1,0 +1,124 @@
+// AVX2 attention, the 8-lane twin of attend_avx512 (attend_avx512.cpp) for CPUs without AVX-512
+// (AMD before Zen 4, most Intel client parts): the same three phases, correction table,
+// polynomials and zero-weight skip as attend_scalar, 8 rows per vector in the logits and softmax
+// and 8 dims per vector in the dot products and the V accumulation.
+#if defined(__x86_64__)
+#include "simd_avx2.h"
+
+namespace mp {
+
+// Row pass 1: q.k for every (row, head) the mask asks for, into the head's next compact entry,
+// and for segments the row's |k - c| beside it.
+MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch) {
+  const int d = args.d, n = rows.n;
+  float* kf = scratch.row_f32.data();
+  float* sc = scratch.scores.data();
+  float* nm = scratch.norms.data();
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + heads.G, pos);
+  for (int i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) {
+      prefetch_row(rows.row(rows.kb, i + kPrefetchRows), d);
+      if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
+    }
+    const uint16_t* kr = rows.row(rows.kb, i);
+    for (int j = 0; j < d; j += 8) _mm256_storeu_ps(kf + j, load8(kr + j, args.dtype));
+    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+      const int g = __builtin_ctz(m), p = pos[g]++;
+      sc[p] = dot8_f32(heads.q[g], kf, d);
+      nm[p] = kn;
+    }
+  }
+}
+
+MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
+                         const float* neg_log_u_table) {
+  const int d = args.d, G = heads.G, n = rows.n;
+  // Every access past an entry range below is masked, so no padding is needed.
+  scratch.scores.resize(rows.off[G]);
+  scratch.norms.resize(rows.off[G]);
+  scratch.row_f32.resize(d);
+  PhaseTimer pt;
+  qk_avx2(args, rows, heads, scratch);
+
+  // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over
+  // its compact entries, 8 at a time.
+  const __m256 vscale = _mm256_set1_ps(args.scale), ninf = _mm256_set1_ps(NEG_INF);
+  const __m256 tscale = _mm256_set1_ps(static_cast<float>(NT / PI));
+  for (int g = 0; g < G; ++g) {
+    float* s = scratch.scores.data() + rows.off[g];
+    const float* nm = scratch.norms.data() + rows.off[g];
+    const int c = rows.off[g + 1] - rows.off[g];
+    const __m256 qn = _mm256_set1_ps(heads.qn[g]), qdc = _mm256_set1_ps(heads.qdc[g]);
+    __m256 vmax = ninf;
+    for (int i = 0; i < c; i += 8) {
+      const __m256i live = live_lanes8(c, i);
+      const __m256 livef = _mm256_castsi256_ps(live);
+      const __m256 qk = _mm256_maskload_ps(s + i, live);
+      __m256 v = _mm256_mul_ps(qk, vscale);
+      if (rows.seg) {
+        const __m256 kn = _mm256_maskload_ps(nm + i, live);
+        const __m256 den = _mm256_mul_ps(qn, kn);
+        const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(den, _mm256_set1_ps(kMinNormProduct), _CMP_GT_OQ), livef);
+        __m256 cs = _mm256_and_ps(ok, _mm256_div_ps(_mm256_sub_ps(qk, qdc), den));
+        cs = _mm256_min_ps(_mm256_max_ps(cs, _mm256_set1_ps(-1.f)), _mm256_set1_ps(1.f));
+        const __m256 x = _mm256_mul_ps(acos8(cs), tscale);
+        __m256i i0 = _mm256_cvttps_epi32(x);
+        i0 = _mm256_min_epi32(_mm256_max_epi32(i0, _mm256_setzero_si256()), _mm256_set1_epi32(NT - 1));
+        const __m256 fr = _mm256_sub_ps(x, _mm256_cvtepi32_ps(i0));
+        const __m256 f0 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), neg_log_u_table, i0, livef, 4);
+        const __m256 f1 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), neg_log_u_table,
+                                                   _mm256_add_epi32(i0, _mm256_set1_epi32(1)), livef, 4);
+        v = _mm256_add_ps(v, _mm256_fmadd_ps(fr, _mm256_sub_ps(f1, f0), f0));
+      }
+      v = _mm256_blendv_ps(ninf, v, livef);
+      _mm256_maskstore_ps(s + i, live, v);
+      vmax = _mm256_max_ps(vmax, v);
+    }
+    const float m = hmax8(vmax);
+    float l = 0.f;
+    if (m != NEG_INF) {
+      __m256 vl = _mm256_setzero_ps();
+      const __m256 vm = _mm256_set1_ps(m);
+      for (int i = 0; i < c; i += 8) {
+        const __m256i live = live_lanes8(c, i);
+        const __m256 p =
+            _mm256_and_ps(_mm256_castsi256_ps(live), exp_neg8(_mm256_sub_ps(_mm256_maskload_ps(s + i, live), vm)));
+        _mm256_maskstore_ps(s + i, live, p);
+        vl = _mm256_add_ps(vl, p);
+      }
+      l = hsum8(vl);
+    } else {  // no row for this head (or none with a finite logit): zero weights
+      std::fill(s, s + c, 0.f);
+    }
+    part.max[g] = m;
+    part.sum[g] = l;
+  }
+  pt.tick(kPhaseGatherLogits);
+
+  // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
+  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
+  float* vf = scratch.row_f32.data();
+  const float* sc = scratch.scores.data();
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + G, pos);
+  for (int i = 0; i < n; ++i) {
+    if (i + kPrefetchRows < n) prefetch_row(rows.row(rows.vb, i + kPrefetchRows), d);
+    const uint16_t* vr = rows.row(rows.vb, i);
+    for (int j = 0; j < d; j += 8) _mm256_storeu_ps(vf + j, load8(vr + j, args.dtype));
+    for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
+      const int g = __builtin_ctz(msk);
+      const float p = sc[pos[g]++];
+      if (p == 0.f) continue;
+      const __m256 vp = _mm256_set1_ps(p);
+      float* acc = part.acc + static_cast<size_t>(g) * d;
+      for (int j = 0; j < d; j += 8)
+        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vp, _mm256_loadu_ps(vf + j), _mm256_loadu_ps(acc + j)));
+    }
+  }
+  pt.tick(kPhaseSoftmaxV);
+}
+
+}  // namespace mp
+#endif
