@@ -424,6 +424,7 @@ def main(argv=None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
+    from vllm_magicpig.kernel import active_isa
     from vllm_magicpig.models import prepare_smollm2
 
     model = str(prepare_smollm2())
@@ -450,7 +451,8 @@ def main(argv=None) -> int:
         f"Command: `python benchmarks/e2e_decode.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"({time.strftime('%Y-%m-%d')})",
         "",
-        f"K={args.K}, L={args.L}, {shape}, enforce_eager, {os.cpu_count()} cores; threads `default` = vLLM's "
+        f"K={args.K}, L={args.L}, {shape}, enforce_eager, {os.cpu_count()} cores, kernel path {active_isa()}; "
+        "threads `default` = vLLM's "
         f"binding (1 core for the worker here), `all` = every core.",
         "",
     ] + table_lines(rows, args.decode_tokens, args.cold_tokens)

@@ -75,7 +75,9 @@ def prepare_smollm2(force: bool = False) -> Path:
     except ImportError as e:
         raise RuntimeError(f"cannot convert the model ({e}); {INSTALL_HINT}") from None
 
-    tmp = out.with_name(out.name + ".partial")
+    # A folder of this process's own: two set-ups converting at once (a CI clone beside a working
+    # tree) must not write into each other's files.
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -99,9 +101,12 @@ def prepare_smollm2(force: bool = False) -> Path:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(tmp)
-    if out.exists():
-        import shutil
+    import shutil
 
+    if _is_complete(out) and not force:  # another set-up finished first: keep its copy
+        shutil.rmtree(tmp)
+        return out
+    if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
