@@ -452,8 +452,7 @@ def main(argv=None) -> int:
         f"({time.strftime('%Y-%m-%d')})",
         "",
         f"K={args.K}, L={args.L}, {shape}, enforce_eager, {os.cpu_count()} cores, kernel path {active_isa()}; "
-        "threads `default` = vLLM's "
-        f"binding (1 core for the worker here), `all` = every core.",
+        "threads `default` = vLLM's binding (1 core for the worker here), `all` = every core.",
         "",
     ] + table_lines(rows, args.decode_tokens, args.cold_tokens)
     table = "\n".join(lines)

@@ -282,6 +282,14 @@ PYBIND11_MODULE(_C, m) {
       },
       "Seconds per phase, summed over threads, since set_profiling(True).");
   m.def("active_isa", &active_isa);
+  m.def(
+      "isa_names",
+      []() {
+        std::vector<std::string> names;
+        for (Isa isa : kIsas) names.push_back(isa_name(isa));
+        return names;
+      },
+      "The kernel's paths, slowest to fastest (the values MAGICPIG_ISA takes).");
   m.def("cpu_isa", []() { return isa_name(cpu_isa()); }, "The fastest path this CPU runs, whatever MAGICPIG_ISA says.");
   m.def(
       "max_threads", []() { return omp_get_max_threads(); },

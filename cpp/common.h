@@ -194,6 +194,7 @@ using SegmentPtr = std::shared_ptr<const Segment>;
 // The instruction sets a call may run on, slowest to fastest (the order is compared).  Resolved once
 // at the top of each entry point; nothing below the entry point re-detects or re-reads the environment.
 enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16 };
+constexpr Isa kIsas[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16};  // every one, in that order
 // The fastest ISA this CPU runs, capped by MAGICPIG_ISA, or Scalar when force_scalar says so.
 Isa resolve_isa(bool force_scalar);
 Isa cpu_isa();                  // the fastest ISA this CPU runs, whatever MAGICPIG_ISA says

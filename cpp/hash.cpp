@@ -7,6 +7,9 @@
 #include <cstring>
 
 #include "common.h"
+#if defined(__x86_64__)
+#include "simd_avx2.h"  // MP_AVX2, live_lanes8
+#endif
 
 namespace mp {
 namespace {
@@ -111,11 +114,10 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
 // after that, and a masked load for the last < 8.  Each column sums its d products in the same
 // order with the same FMAs as the AVX-512 path, so the two give the same codes.  The signs go
 // into the same little-endian bit rows (a byte per 8 columns) for pack_from_masks.
-#define MP_HASH_AVX2 __attribute__((target("avx2,fma")))
-MP_HASH_AVX2 inline uint8_t sign_bits(__m256 a) {  // bit j: lane j > 0
+MP_AVX2 inline uint8_t sign_bits(__m256 a) {  // bit j: lane j > 0
   return static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
-MP_HASH_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
+MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
   const int C = K * L, stride = (C + 15) / 16 + 2;  // uint16 words per row, as hash_rows_avx512
   std::vector<uint16_t> masks(static_cast<size_t>(4) * stride, 0);
   uint8_t* mb = reinterpret_cast<uint8_t*>(masks.data());
@@ -144,7 +146,7 @@ MP_HASH_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, i
       }
     }
     for (; c0 < C; c0 += 8) {
-      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(C - c0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i live = live_lanes8(C, c0);
       __m256 a[4] = {z, z, z, z};
       for (int i = 0; i < d; ++i) {
         const __m256 wv = _mm256_maskload_ps(w + static_cast<size_t>(i) * C + c0, live);

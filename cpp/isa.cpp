@@ -1,5 +1,6 @@
 // Run-time ISA detection: the build targets baseline x86-64 (no -march=native), so every AVX2 and
 // AVX-512 function carries a target attribute and runs only where this says the CPU has it.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -16,7 +17,7 @@ Isa isa_cap() {
   static const Isa cap = [] {
     const char* v = std::getenv("MAGICPIG_ISA");
     if (v == nullptr) return Isa::Avx512Bf16;
-    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16})
+    for (Isa isa : kIsas)
       if (std::strcmp(v, isa_name(isa)) == 0) return isa;
     return Isa::Avx512Bf16;
   }();

@@ -31,7 +31,7 @@ if _C.MAX_SEGMENT_TOKENS != MAX_SEGMENT_TOKENS:
                       "(python setup.py build_ext --inplace)")
 # The kernel's paths, slowest to fastest. MAGICPIG_ISA caps the path process-wide (to run the kernel
 # as it runs on an older CPU); the C++ side reads it once, so a typo is refused here, not ignored.
-ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16")
+ISA_NAMES = tuple(_C.isa_names())  # ("scalar", "avx2", "avx512", "avx512_bf16")
 if os.environ.get("MAGICPIG_ISA", ISA_NAMES[-1]) not in ISA_NAMES:
     raise ImportError(f"MAGICPIG_ISA={os.environ['MAGICPIG_ISA']!r} is not one of {', '.join(ISA_NAMES)}: "
                       "set one of those, or unset it to run the fastest path this CPU has")
