@@ -29,8 +29,10 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
     for (int g = 0; g < G; ++g) {
       const Segment::Bucket b = seg.bucket(t, code(g, l));
       scratch.buckets[l * G + g] = b;
-      const uint16_t* p = seg.table_ids(t) + b.begin;
-      for (int k = 0; k < b.end - b.begin; k += 32) __builtin_prefetch(p + k);
+      // Every line the bucket's ids touch (a bucket rarely starts on a line boundary).
+      const uintptr_t first = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.begin) & ~uintptr_t{63};
+      const uintptr_t end = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.end);
+      for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
     }
   }
   scratch.hits.resize(static_cast<size_t>(words) * 2);
