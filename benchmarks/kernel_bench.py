@@ -5,7 +5,10 @@
 
 MagicPIG is called as the backend calls it (check_values=False).  Besides the ratio to vLLM's exact
 kernel, each time is set against the bandwidth roof: exact attention streaming its K/V once at the
-measured copy bandwidth.
+measured copy bandwidth.  The bytes MagicPIG touches are whole K/V rows at random tokens, which no
+CPU reads at copy bandwidth, so its GB/s is also given against the random-row gather roof: a
+prefetched gather of random rows of the same size, on the same threads and 2 MiB pages
+(benchmarks/native/gather_roof.cpp, compiled by torch on the first run and cached).
 
 Warm and cold: calling one layer back to back leaves its index, its sampled rows and their page
 translations in the caches, which an engine step never does: every other layer's attention data
@@ -35,6 +38,7 @@ from vllm_magicpig import kernel as kx  # noqa: E402
 from vllm_magicpig.eval import reference as ref  # noqa: E402
 
 SINKS, WINDOW, TAIL, SEG_MAX, BLOCK = 4, 64, 100, 32768, 128
+CONFIGS = ((64, 3, 3), (128, 8, 4))  # (head_dim, KV heads, query heads per KV head)
 COLD_BYTES = 96 * 2**20  # 3x this machine's 32 MiB L3: what the other layers of a cold run hold
 
 
@@ -72,6 +76,17 @@ def copy_bandwidth():
     b = torch.empty_like(a)
     t = timeit(lambda: b.copy_(a), 5)
     return 2 * a.numel() / t / 1e9
+
+
+def gather_roofs(row_sizes, threads):
+    """GB/s of a prefetched gather of random rows of each size (benchmarks/native/gather_roof.cpp),
+    the best of a few prefetch distances: the roof for reads of whole sampled rows at random."""
+    from torch.utils.cpp_extension import load
+
+    native = load("mp_gather_roof", [str(Path(__file__).parent / "native" / "gather_roof.cpp")],
+                  extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return {b: max(native.gather_gbps(b, 1 << 20, 1024, ahead, threads, 3) for ahead in (4, 8, 16))
+            for b in row_sizes}
 
 
 def load_vllm():
@@ -247,10 +262,14 @@ def main():
     gen = torch.Generator().manual_seed(1234)
     ops = load_vllm()
     bw = copy_bandwidth()
+    # A token's K and V rows, 4*D bytes, are what a sampled key costs the kernel.
+    roof = gather_roofs([4 * D for D, _, _ in CONFIGS], torch.get_num_threads())
+    print("# random-row gather roof: " + ", ".join(f"{b} B rows {g:.1f} GB/s ({100 * g / bw:.0f}% of copy)"
+                                                   for b, g in roof.items()))
     print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s "
           f"K={args.K} L={args.L}")
     rows = []
-    for D, hkv, G in ((64, 3, 3), (128, 8, 4)):
+    for D, hkv, G in CONFIGS:
         for n in sizes:
             r = run_config(D, hkv, G, n, args.K, args.L, ops, bw, reps, with_ref=(n == sizes[0]), gen=gen)
             rows.append(r)
@@ -278,8 +297,8 @@ def main():
           "the L3; each kernel its own copies):")
     print()
     print("| D | Hkv x G | ctx | MagicPIG warm ms | MagicPIG cold ms | vLLM warm ms | vLLM cold ms | speedup warm | "
-          "speedup cold | sampled % | MP GB/s cold (% copy) |")
-    print("|" + "---|" * 11)
+          "speedup cold | sampled % | MP GB/s cold (% copy) | % of gather roof |")
+    print("|" + "---|" * 12)
     for r in rows:
         if "t_vllm" not in r:
             continue
@@ -287,7 +306,7 @@ def main():
         print(f"| {r['D']} | {r['hkv']}x{r['G']} | {r['n'] // 1024}K | {r['t_mp'] * 1e3:.3f} | "
               f"{r['t_mp_cold'] * 1e3:.3f} | {r['t_vllm'] * 1e3:.2f} | {r['t_vllm_cold'] * 1e3:.2f} | "
               f"{r['t_vllm'] / r['t_mp']:.1f}x | {r['t_vllm_cold'] / r['t_mp_cold']:.1f}x | {100 * r['sampled']:.2f} | "
-              f"{gbs:.1f} ({100 * gbs / r['bw']:.0f}%) |")
+              f"{gbs:.1f} ({100 * gbs / r['bw']:.0f}%) | {100 * gbs / roof[4 * r['D']]:.0f}% |")
     print()
     print("Against the bandwidth roof (exact attention streaming its K/V once at the copy bandwidth; does not "
           "move with the exact kernels' noise):")
