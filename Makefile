@@ -22,7 +22,7 @@ test-fast: $(STAMP) lint
 # Style at the width the code uses (120): ruff for Python, clang-format for the kernel.
 lint: $(STAMP)
 	.venv/bin/ruff check .
-	.venv/bin/clang-format --dry-run --Werror cpp/*.cpp cpp/*.h
+	.venv/bin/clang-format --dry-run --Werror cpp/*.cpp cpp/*.h benchmarks/native/*.cpp
 
 bench-kernel: $(STAMP)
 	$(PY) benchmarks/kernel_bench.py

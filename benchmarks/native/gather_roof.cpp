@@ -4,11 +4,10 @@
 // out of a buffer far larger than the caches, with the kernel's own aids: 2 MiB pages and software
 // prefetch a few rows ahead, on the same threads.  A sequential copy's bandwidth is not reachable
 // by such reads on a machine where each line is a DRAM round trip.
+#include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
 #include <torch/extension.h>
-
-#include <immintrin.h>
 
 #include <chrono>
 #include <cstdint>
@@ -39,7 +38,8 @@ double gather_gbps(int64_t row_bytes, int64_t rows, int64_t buffer_mb, int64_t a
         for (int64_t j = 0; j < row_bytes; j += 64) __builtin_prefetch(buf + idx[i + ahead] * row_bytes + j);
       const char* p = buf + idx[i] * row_bytes;
       __m128i x = _mm_setzero_si128();  // every byte of the row is read, 16 at a time
-      for (int64_t j = 0; j < row_bytes; j += 16) x = _mm_xor_si128(x, _mm_load_si128(reinterpret_cast<const __m128i*>(p + j)));
+      for (int64_t j = 0; j < row_bytes; j += 16)
+        x = _mm_xor_si128(x, _mm_load_si128(reinterpret_cast<const __m128i*>(p + j)));
       acc += static_cast<double>(_mm_cvtsi128_si32(x) & 1);
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
