@@ -212,6 +212,11 @@ const char* active_isa();       // isa_name(resolve_isa(false))
 // codes[t*L + l] for T float rows x[t*d ..]; w is float [d][K*L].  Keys (build) and queries
 // (hash_codes) both come through here.
 void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes, bool force_scalar);
+// The same for tables [l0, l0 + L) of a wider projection: w points at column l0 * K of a [d][ldw]
+// matrix and codes at table l0 of rows ldc apart.  Each column's arithmetic is hash_rows's, so
+// splitting the tables of a call across threads gives the same codes.
+void hash_rows_strided(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes, int ldc,
+                       bool force_scalar);
 
 // ---- segment building (segment.cpp) ----
 std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,

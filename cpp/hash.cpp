@@ -23,7 +23,7 @@ inline void pack_codes(const uint8_t* bits, int K, int L, uint16_t* codes) {
   }
 }
 
-void hash_rows_scalar(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
+void hash_rows_scalar(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes, int ldc) {
   const int C = K * L;
   std::vector<float> acc(C);
   std::vector<uint8_t> bits(C);
@@ -31,11 +31,11 @@ void hash_rows_scalar(const float* x, int T, int d, const float* w, int K, int L
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int i = 0; i < d; ++i) {
       const float xi = x[static_cast<size_t>(t) * d + i];
-      const float* wr = w + static_cast<size_t>(i) * C;
+      const float* wr = w + static_cast<size_t>(i) * ldw;
       for (int c = 0; c < C; ++c) acc[c] += xi * wr[c];
     }
     for (int c = 0; c < C; ++c) bits[c] = acc[c] > 0.f;
-    pack_codes(bits.data(), K, L, codes + static_cast<size_t>(t) * L);
+    pack_codes(bits.data(), K, L, codes + static_cast<size_t>(t) * ldc);
   }
 }
 
@@ -59,7 +59,8 @@ inline void pack_from_masks(const uint16_t* m, int K, int L, uint16_t* codes) {
 // columns left over go 16 at a time (masked tail). The signs are kept as 16-bit masks, and the
 // codes cut from them (pack_from_masks) without a byte per bit.
 #define MP_HASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
+MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int ldw, int K, int L,
+                                     uint16_t* codes, int ldc) {
   const int C = K * L, stride = (C + 15) / 16 + 2;  // + 2 words: pack_from_masks reads 4 bytes
   std::vector<uint16_t> masks(static_cast<size_t>(4) * stride, 0);
   const __m512 z = _mm512_setzero_ps();
@@ -73,7 +74,7 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
       for (int r = 0; r < 4; ++r)
         for (int k = 0; k < 4; ++k) acc[r][k] = z;
       for (int i = 0; i < d; ++i) {
-        const float* wi = w + static_cast<size_t>(i) * C + c0;
+        const float* wi = w + static_cast<size_t>(i) * ldw + c0;
         const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16), w2 = _mm512_loadu_ps(wi + 32),
                      w3 = _mm512_loadu_ps(wi + 48);
         for (int r = 0; r < 4; ++r) {
@@ -92,7 +93,7 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
       const __mmask16 m = (C - c0 >= 16) ? 0xffff : static_cast<__mmask16>((1u << (C - c0)) - 1);
       __m512 a0 = z, a1 = z, a2 = z, a3 = z;
       for (int i = 0; i < d; ++i) {
-        const __m512 wv = _mm512_maskz_loadu_ps(m, w + static_cast<size_t>(i) * C + c0);
+        const __m512 wv = _mm512_maskz_loadu_ps(m, w + static_cast<size_t>(i) * ldw + c0);
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(xr[0][i]), wv, a0);
         a1 = _mm512_fmadd_ps(_mm512_set1_ps(xr[1][i]), wv, a1);
         a2 = _mm512_fmadd_ps(_mm512_set1_ps(xr[2][i]), wv, a2);
@@ -105,7 +106,7 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
       masks[3 * static_cast<size_t>(stride) + word] = _mm512_cmp_ps_mask(a3, z, _CMP_GT_OQ);
     }
     for (int r = 0; r < nt; ++r)
-      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * L);
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
   }
 }
 
@@ -117,7 +118,8 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
 MP_AVX2 inline uint8_t sign_bits(__m256 a) {  // bit j: lane j > 0
   return static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
-MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes) {
+MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes,
+                            int ldc) {
   const int C = K * L, stride = (C + 15) / 16 + 2;  // uint16 words per row, as hash_rows_avx512
   std::vector<uint16_t> masks(static_cast<size_t>(4) * stride, 0);
   uint8_t* mb = reinterpret_cast<uint8_t*>(masks.data());
@@ -132,7 +134,7 @@ MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int K,
       __m256 acc[4][2];
       for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = z;
       for (int i = 0; i < d; ++i) {
-        const float* wi = w + static_cast<size_t>(i) * C + c0;
+        const float* wi = w + static_cast<size_t>(i) * ldw + c0;
         const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
         for (int r = 0; r < 4; ++r) {
           const __m256 xb = _mm256_broadcast_ss(xr[r] + i);
@@ -149,31 +151,36 @@ MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int K,
       const __m256i live = live_lanes8(C, c0);
       __m256 a[4] = {z, z, z, z};
       for (int i = 0; i < d; ++i) {
-        const __m256 wv = _mm256_maskload_ps(w + static_cast<size_t>(i) * C + c0, live);
+        const __m256 wv = _mm256_maskload_ps(w + static_cast<size_t>(i) * ldw + c0, live);
         for (int r = 0; r < 4; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[r] + i), wv, a[r]);
       }
       // masked-off lanes summed zeros: their bits are 0 and never read
       for (int r = 0; r < 4; ++r) mb[static_cast<size_t>(r) * bstride + c0 / 8] = sign_bits(a[r]);
     }
     for (int r = 0; r < nt; ++r)
-      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * L);
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
   }
 }
 #endif
 
 }  // namespace
 
+void hash_rows_strided(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes, int ldc,
+                       bool force_scalar) {
+  const Isa isa = resolve_isa(force_scalar);
+#if defined(__x86_64__)
+  if (isa >= Isa::Avx512) return hash_rows_avx512(x, T, d, w, ldw, K, L, codes, ldc);
+  if (isa == Isa::Avx2) return hash_rows_avx2(x, T, d, w, ldw, K, L, codes, ldc);
+#endif
+  (void)isa;
+  hash_rows_scalar(x, T, d, w, ldw, K, L, codes, ldc);
+}
+
 // Keys (build) and queries (hash_codes) both come through here, so hashed with the same
 // force_scalar they share the same arithmetic; FMA vs mul+add, the only difference between the
 // twins, moves only sign bits that sit at float rounding.
 void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint16_t* codes, bool force_scalar) {
-  const Isa isa = resolve_isa(force_scalar);
-#if defined(__x86_64__)
-  if (isa >= Isa::Avx512) return hash_rows_avx512(x, T, d, w, K, L, codes);
-  if (isa == Isa::Avx2) return hash_rows_avx2(x, T, d, w, K, L, codes);
-#endif
-  (void)isa;
-  hash_rows_scalar(x, T, d, w, K, L, codes);
+  hash_rows_strided(x, T, d, w, K * L, K, L, codes, L, force_scalar);
 }
 
 }  // namespace mp

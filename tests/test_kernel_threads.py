@@ -116,6 +116,44 @@ def test_thread_count_never_changes_results(force_scalar):
             assert same, f"{name} differs between 1 and {nt} threads ({msg})"
 
 
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_one_call_hashing_split_never_changes_results(force_scalar):
+    """The one-call decode hashes the queries in jobs of (request, block of tables), more blocks per
+    request when requests are fewer than threads (a single request's tables split across the team).
+    Its codes, q . c and so its output are the same bits on 1, 2, 3 and 7 threads (blocks of 40, 20,
+    14 and 6 tables, the last ones short), for one request and for two, and equal the two-step call
+    with codes from hash_codes."""
+    seed, gen = new_seed()
+    msg = f"seed={seed} force_scalar={force_scalar}"
+    c = threads_case(gen)
+    for rows in ([0], [0, 1]):
+        R = len(rows)
+        query = c.query[rows].contiguous()
+        segs = [c.segs[r] for r in rows]
+        centres = [c.centres[r] for r in rows]
+        bt, dense = c.bt[rows].contiguous(), c.dense_ranges[rows].contiguous()
+        kw = dict(block_table=bt, dense_ranges=dense, scale=c.scale, K=c.K, L=c.L, force_scalar=force_scalar)
+
+        def one_call(nt):
+            out = torch.full((R, c.H, c.D), float("nan"), dtype=query.dtype)
+            cnt = torch.full((R, c.H), -7, dtype=torch.int64)
+            kx.magicpig_decode_attention(query, c.W, centres, segs, c.kview, c.vview, out=out, sampled_counts=cnt,
+                                         num_threads=nt, **kw)
+            return out, cnt
+
+        codes = kx.hash_codes(query.reshape(-1, c.D), c.W, c.K, c.L, force_scalar=force_scalar).view(R, c.H, c.L)
+        qdc = c.qdc[rows].contiguous()  # q . c summed in float64, as the native call sums it
+        want_out = torch.full((R, c.H, c.D), float("nan"), dtype=query.dtype)
+        want_cnt = torch.full((R, c.H), -7, dtype=torch.int64)
+        kx.sparse_decode_attention(query, codes, qdc, segs, c.kview, c.vview, out=want_out, sampled_counts=want_cnt,
+                                   **kw)
+        assert int(want_cnt.sum()) > 0, msg  # the case samples, so the codes matter
+        for nt in (1, 2, 3, 7):
+            out, cnt = one_call(nt)
+            assert torch.equal(cnt, want_cnt), f"R={R} nt={nt} counts ({msg})"
+            assert torch.equal(out, want_out), f"R={R} nt={nt} output ({msg})"
+
+
 def test_bad_num_threads_raise():
     seed, gen = new_seed()
     c = Case(gen, [300], 1, 2, 64, 6, 20)
