@@ -89,23 +89,16 @@ struct HugePageAllocator {
   HugePageAllocator() = default;
   template <typename U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
-  static size_t rounded(size_t bytes) { return (bytes + kHuge - 1) / kHuge * kHuge; }
   T* allocate(size_t n) {
     const size_t bytes = n * sizeof(T);
     if (bytes < kHuge) return std::allocator<T>().allocate(n);
-    // Fresh pages straight from mmap, never the heap: glibc serves big blocks from memory freed
-    // before, whose pages were touched as 4 KiB pages and stay so, whatever madvise says after.
-    // Over-map by 2 MiB, keep the 2 MiB-aligned middle, and advise it before the first touch.
-    const size_t size = rounded(bytes);
-    void* m = mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) throw std::bad_alloc();
-    const uintptr_t base = reinterpret_cast<uintptr_t>(m), aligned = (base + kHuge - 1) / kHuge * kHuge;
-    if (aligned > base) munmap(m, aligned - base);
-    if (base + kHuge > aligned) munmap(reinterpret_cast<void*>(aligned + size), base + kHuge - aligned);
+    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, rounded);
+    if (!p) throw std::bad_alloc();
 #ifdef MADV_HUGEPAGE
-    madvise(reinterpret_cast<void*>(aligned), size, MADV_HUGEPAGE);
+    madvise(p, rounded, MADV_HUGEPAGE);
 #endif
-    return reinterpret_cast<T*>(aligned);
+    return static_cast<T*>(p);
   }
   // resize() leaves new elements default-initialised (not zeroed): every array of a segment is
   // written in full by its build or merge, so zeroing first would write each byte twice.
@@ -121,7 +114,7 @@ struct HugePageAllocator {
     if (n * sizeof(T) < kHuge)
       std::allocator<T>().deallocate(p, n);
     else
-      munmap(p, rounded(n * sizeof(T)));
+      std::free(p);
   }
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const {
