@@ -5,10 +5,10 @@
 // prefetch a few rows ahead, on the same threads.  A sequential copy's bandwidth is not reachable
 // by such reads on a machine where each line is a DRAM round trip.
 #include <immintrin.h>
-#include <omp.h>
 #include <sys/mman.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
