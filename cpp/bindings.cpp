@@ -298,4 +298,23 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "last_team_size", []() { return g_last_team_size.load(); },
       "Threads in the team of the unit loop of the last sparse_decode with any unit (0 before one; process-wide).");
+  m.def(
+      "huge_pool_stats",
+      []() {
+        const HugePoolStats st = huge_pool_stats();
+        py::dict d;
+        d["live_bytes"] = st.live_bytes;
+        d["pooled_bytes"] = st.pooled_bytes;
+        d["limit_bytes"] = st.limit_bytes;
+        d["fresh_maps"] = st.fresh_maps;
+        d["reuses"] = st.reuses;
+        d["unmapped"] = st.unmapped;
+        return d;
+      },
+      "The huge-page pool behind segments' big arrays (process-wide): bytes handed out and kept for reuse, "
+      "the limit on both together, and counts of fresh mappings, reuses and unmappings.");
+  m.def(
+      "set_huge_pool_limit", [](size_t bytes) { set_huge_pool_limit(bytes); }, py::arg("bytes"),
+      "Freed segment memory is kept for reuse while live + pooled bytes stay within this (process-wide); "
+      "pooled regions above it are unmapped now.");
 }

@@ -15,7 +15,6 @@
 // vLLM CUDA worker sets to 1: callers there pass their own count.
 #pragma once
 #include <omp.h>
-#include <sys/mman.h>
 
 #include <atomic>
 #include <cstddef>
@@ -26,6 +25,8 @@
 #include <new>
 #include <utility>
 #include <vector>
+
+#include "huge_pool.h"
 
 namespace mp {
 
@@ -79,26 +80,18 @@ inline uint16_t f_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Allocator for the big arrays of a segment: from 2 MiB up they are 2 MiB aligned and advised as
-// transparent huge pages.  Decode reads sampled rows and buckets at random over tens of MB, so with
-// 4 KiB pages nearly every row is also a TLB miss (a nested page walk under a hypervisor).
+// Allocator for the big arrays of a segment: from 2 MiB up they come from the huge-page pool
+// (huge_pool.h: 2 MiB aligned, advised huge, reused after a segment is freed).
 template <typename T>
 struct HugePageAllocator {
   using value_type = T;
-  static constexpr size_t kHuge = size_t{2} << 20;
   HugePageAllocator() = default;
   template <typename U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t n) {
     const size_t bytes = n * sizeof(T);
-    if (bytes < kHuge) return std::allocator<T>().allocate(n);
-    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-    void* p = std::aligned_alloc(kHuge, rounded);
-    if (!p) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-    madvise(p, rounded, MADV_HUGEPAGE);
-#endif
-    return static_cast<T*>(p);
+    if (bytes < kHugePage) return std::allocator<T>().allocate(n);
+    return static_cast<T*>(huge_alloc(bytes));
   }
   // resize() leaves new elements default-initialised (not zeroed): every array of a segment is
   // written in full by its build or merge, so zeroing first would write each byte twice.
@@ -111,10 +104,10 @@ struct HugePageAllocator {
     ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
   }
   void deallocate(T* p, size_t n) {
-    if (n * sizeof(T) < kHuge)
+    if (n * sizeof(T) < kHugePage)
       std::allocator<T>().deallocate(p, n);
     else
-      std::free(p);
+      huge_free(p, n * sizeof(T));
   }
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const {

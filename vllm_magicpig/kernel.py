@@ -60,6 +60,22 @@ def max_threads() -> int:
     return _C.max_threads()
 
 
+def huge_pool_stats() -> dict[str, int]:
+    """The process-wide pool behind segments' big arrays (2 MiB-aligned huge-page regions, kept
+    for reuse when a segment is freed; ``cpp/huge_pool.h``): ``live_bytes`` handed out,
+    ``pooled_bytes`` kept, ``limit_bytes`` on both together, and counts of ``fresh_maps``,
+    ``reuses`` and ``unmapped`` regions."""
+    return dict(_C.huge_pool_stats())
+
+
+def set_huge_pool_limit(limit_bytes: int) -> None:
+    """Freed segment memory is kept for reuse only while live + pooled bytes stay within
+    ``limit_bytes`` (process-wide; 1 GiB until set); pooled regions above it are unmapped now."""
+    if limit_bytes < 0:
+        raise ValueError(f"set_huge_pool_limit: limit_bytes must be >= 0, got {limit_bytes}")
+    _C.set_huge_pool_limit(int(limit_bytes))
+
+
 @contextlib.contextmanager
 def profiling() -> Iterator[dict[str, float]]:
     """Time the kernel's phases for the calls made inside the block.

@@ -88,6 +88,7 @@ class _Metrics:
     candidate_keys: Counter
     index_bytes: Gauge
     mirror_bytes: Gauge
+    pooled_bytes: Gauge
     held_bytes_peak: Gauge
     segments_live: Gauge
     segments: Counter
@@ -149,6 +150,9 @@ def metrics() -> _Metrics:
                                        "query heads (where the workers report it)."),
                 index_bytes=gauge("index_bytes", "Bytes held by the MAGICPIG hash tables and key norms."),
                 mirror_bytes=gauge("mirror_bytes", "Bytes held by the row-major K/V mirror of indexed tokens."),
+                pooled_bytes=gauge("pooled_bytes", "Memory of dropped segments kept for reuse by later builds (huge "
+                                   "pages, already faulted); with index and mirror bytes it stays within "
+                                   "index_memory_mb."),
                 held_bytes_peak=gauge("held_bytes_peak", "The most index + mirror bytes the worker has held at once "
                                       "(compare with index_memory_mb)."),
                 segments_live=gauge("segments_live", "Index segments held now."),
@@ -227,6 +231,7 @@ class Exporter:
 
         m.index_bytes.labels(*labels).set(snap.get("index_bytes") or 0)
         m.mirror_bytes.labels(*labels).set(snap.get("mirror_bytes") or 0)
+        m.pooled_bytes.labels(*labels).set(snap.get("pooled_bytes") or 0)
         m.held_bytes_peak.labels(*labels).set(snap.get("held_bytes_peak") or 0)
         m.segments_live.labels(*labels).set(index.get("segments_live") or 0)
         if snap.get("sampled_fraction") is not None:  # no series before the first sparse decode

@@ -44,6 +44,13 @@ class SparseDecodeOps(Protocol):
         ``projection`` and each request's centre (None: no segments); returns the sampled keys
         summed over requests and heads. The CPU path's one native call per sparse layer."""
 
+    def set_memory_cap(self, cap_bytes: int) -> None:
+        """The index's memory cap (``index_memory_mb``): memory freed by dropped segments may be
+        kept for reuse by later builds only while the index's memory, in use or kept, stays within it."""
+
+    def memory_pool_stats(self) -> dict[str, int]:
+        """``{"pooled_bytes": ...}``: freed segment memory kept for reuse (not in ``index_bytes``)."""
+
 
 class CpuKernelOps:
     """The C++ kernel (``vllm_magicpig.kernel``) over host memory.
@@ -67,6 +74,13 @@ class CpuKernelOps:
 
     def merge_segments(self, segments):
         return self._kernel.merge_segments(segments, num_threads=self.num_threads)
+
+    def set_memory_cap(self, cap_bytes):
+        # The pool is process-wide: one worker process serves one model, so one runtime sets it.
+        self._kernel.set_huge_pool_limit(cap_bytes)
+
+    def memory_pool_stats(self):
+        return {"pooled_bytes": self._kernel.huge_pool_stats()["pooled_bytes"]}
 
     def hash_codes(self, x, projection, K, L):
         return self._kernel.hash_codes(x, projection, K, L, num_threads=self.num_threads)

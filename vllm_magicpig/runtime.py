@@ -51,6 +51,8 @@ class MagicPigRuntime:
         self.ops: SparseDecodeOps = ops if ops is not None else CpuKernelOps()
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.ops.set_memory_cap(self.cap_bytes)
+        self.stats.add_section("memory_pool", self.ops.memory_pool_stats)
         self.cost = DecodeCostModel() if cfg.cost_model else None
         if self.cost is not None:
             self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()})

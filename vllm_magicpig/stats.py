@@ -134,8 +134,8 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
         return snaps[0]
     out: dict[str, Any] = {"workers": snaps}
     for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes",
-                "held_bytes_peak"):
-        out[key] = sum(s[key] for s in snaps)
+                "held_bytes_peak", "pooled_bytes"):
+        out[key] = sum(s.get(key, 0) for s in snaps)
     for key in ("decode_exact", "decode_by_method", "index", "layer_calls"):
         c: Counter[str] = Counter()
         for s in snaps:
