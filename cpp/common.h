@@ -8,6 +8,8 @@
 // - The phase timers (g_profile, g_prof) are process-wide: concurrent profiled calls add into the
 //   same counters, and set_profiling from one caller resets them for all.  So is g_last_team_size:
 //   with concurrent calls it holds whichever sparse_decode recorded last.
+// - The huge-page pool behind segments' big arrays (huge_pool.h) is process-wide and takes a lock, so
+//   builds on the background indexer and merges on the engine's thread may allocate at once.
 //
 // Threads: every entry point takes num_threads, and every OpenMP region it opens asks for a team of
 // that many threads (a num_threads clause), or omp_get_max_threads() when it is <= 0.  The
