@@ -313,8 +313,7 @@ PYBIND11_MODULE(_C, m) {
       },
       "The huge-page pool behind segments' big arrays (process-wide): bytes handed out and kept for reuse, "
       "the limit on both together, and counts of fresh mappings, reuses and unmappings.");
-  m.def(
-      "set_huge_pool_limit", [](size_t bytes) { set_huge_pool_limit(bytes); }, py::arg("bytes"),
-      "Freed segment memory is kept for reuse while live + pooled bytes stay within this (process-wide); "
-      "pooled regions above it are unmapped now.");
+  m.def("set_huge_pool_limit", &set_huge_pool_limit, py::arg("bytes"),
+        "Freed segment memory is kept for reuse while live + pooled bytes stay within this (process-wide); "
+        "pooled regions above it are unmapped now.");
 }

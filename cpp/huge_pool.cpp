@@ -21,7 +21,7 @@ void* map_fresh(size_t bytes) {
   void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return nullptr;
   const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  const uintptr_t aligned = round_up(start);
   if (aligned > start) munmap(raw, aligned - start);
   const uintptr_t end = start + span, used_end = aligned + bytes;
   if (end > used_end) munmap(reinterpret_cast<void*>(used_end), end - used_end);
@@ -52,7 +52,7 @@ class Pool {
     }
     void* p = map_fresh(bytes);
     if (!p) {  // the pool's free regions are too small for this one: give them back and retry
-      release_above(0);
+      release_all();
       p = map_fresh(bytes);
       if (!p) throw std::bad_alloc();
     }
@@ -89,13 +89,11 @@ class Pool {
     unmap_over_limit();
   }
 
-  // Unmaps free regions until the pool holds at most `keep` bytes.
-  void release_above(size_t keep) {
-    std::lock_guard<std::mutex> g(mu_);
-    while (st_.pooled_bytes > keep) unmap_largest();
-  }
-
  private:
+  void release_all() {
+    std::lock_guard<std::mutex> g(mu_);
+    while (st_.pooled_bytes > 0) unmap_largest();
+  }
   void add_free(uintptr_t start, size_t size) {
     by_addr_.emplace(start, size);
     by_size_.emplace(size, start);

@@ -7,24 +7,18 @@ Inputs are fresh random every run; the seed is in every message (MAGICPIG_TEST_S
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from vllm_magicpig import kernel as kx
-from vllm_magicpig.ops import CpuKernelOps
 
-from helpers import to_paged
+from helpers import make_runtime, to_paged
+from test_kernel import new_seed
 
 HKV, D, K, L = 2, 64, 10, 150
 MiB = 2**20
-
-
-def new_seed():
-    s = int(os.environ.get("MAGICPIG_TEST_SEED", random.randrange(2**31)))
-    return s, torch.Generator().manual_seed(s)
 
 
 @pytest.fixture
@@ -156,10 +150,8 @@ def test_the_limit_bounds_live_plus_pooled_memory(pool_limit):
 def test_the_runtime_caps_the_pool_at_index_memory_mb(pool_limit):
     """The backend's ops pass index_memory_mb to the pool, and the stats report what it keeps."""
     from vllm_magicpig.config import MagicPigConfig
-    from vllm_magicpig.runtime import MagicPigRuntime
 
-    cfg = MagicPigConfig(index_memory_mb=96)
-    rt = MagicPigRuntime(cfg, num_layers=4, ops=CpuKernelOps())
+    rt = make_runtime(MagicPigConfig(index_memory_mb=96))
     assert kx.huge_pool_stats()["limit_bytes"] == 96 * MiB
     snap = rt.stats.snapshot()
     assert snap["pooled_bytes"] == kx.huge_pool_stats()["pooled_bytes"]
