@@ -70,6 +70,24 @@ def timeit_in_turn(fns, reps):
     return statistics.median(ts)
 
 
+def timeit_alternating(fns_by_name, turns, burst=1):
+    """Median seconds of one call per name, the names taking turns, each cycling through its own
+    ``fns`` (one per layer copy). A turn of ``burst`` > 1 calls times all but its first call, which
+    refills the caches the other names' turn took: back-to-back (warm) times."""
+    for fns in fns_by_name.values():
+        for fn in fns:
+            fn()
+    ts = {name: [] for name in fns_by_name}
+    for i in range(turns):
+        for name, fns in fns_by_name.items():
+            for b in range(burst):
+                t = time.perf_counter()
+                fns[i % len(fns)]()
+                if burst == 1 or b > 0:
+                    ts[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
 def copy_bandwidth():
     """GB/s of a large tensor copy (bytes read + written), the memory roof for this machine."""
     a = torch.empty(256 * 2**20, dtype=torch.uint8).random_()
@@ -126,11 +144,11 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     centre = keys[cov_lo:cov_hi].float().mean(0)
     W = torch.randn(D, K * L, generator=gen)
 
-    def build():
+    def build(mirror="cache"):
         out, p = [], cov_lo
         while p < cov_hi:
             e = min(cov_hi, p + SEG_MAX)
-            out.append(kx.build_segment(keys[p:e], vals[p:e], centre, W, K, L))
+            out.append(kx.build_segment(keys[p:e], vals[p:e], centre, W, K, L, mirror=mirror))
             p = e
         return out
 
@@ -138,7 +156,6 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     segs = build()
     build_s = time.perf_counter() - t0
     index_b = sum(s.index_bytes for s in segs)
-    mirror_b = sum(s.mirror_bytes for s in segs)
 
     # vLLM CPU paged cache ("vec" layout): [blocks, Hkv, 2*BLOCK, D]; K column-major, V row-major.
     nb = -(-n // BLOCK)
@@ -162,34 +179,49 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     lse = torch.empty(1, H)
     cnt = torch.zeros(1, H, dtype=torch.int64)
 
-    def mp(force_scalar=False, layer_segs=segs):
+    def mp(layer_segs, force_scalar=False):
         # check_values=False as the backend calls it (ops.CpuKernelOps.attend): the O(n) value scans
         # of the validation are for direct callers, not the decode hot path.
         kx.sparse_decode_attention(q, qcodes, qdc, [layer_segs], kview, vview, block_table=bt, dense_ranges=ranges,
                                    scale=scale, K=K, L=L, out=out, lse=lse, sampled_counts=cnt,
                                    force_scalar=force_scalar, check_values=False)
 
-    t_mp = timeit(mp, reps)
-    # Cold: copies of the segments in turn (same keys, same codes: the same work at other addresses;
-    # the few dense tokens stay in one cache).
-    n_cold = cold_layers(index_b + mirror_b)
-    layers = [segs] + [build() for _ in range(n_cold - 1)]
-    cold_fns = [lambda lay=lay: mp(layer_segs=lay) for lay in layers]
-    t_mp_cold = timeit_in_turn(cold_fns, max(reps, 2 * n_cold))
-    prof = {}
-    for mode, fns in (("warm", [mp]), ("cold", cold_fns)):
+    def profile(fns):
         calls = max(5, len(fns))
         with kx.profiling() as phase_s:  # phase timers (thread-seconds) for the breakdown
             for i in range(calls):
                 fns[i % len(fns)]()
-        prof[mode] = {k: f"{v / calls * 1e3:.2f}ms" for k, v in phase_s.items()}
-    del layers, cold_fns
-    t_mp_scalar = timeit(lambda: mp(True), max(3, reps // 4), warmup=1)
-    mp()
+        return {k: f"{v / calls * 1e3:.2f}ms" for k, v in phase_s.items()}
+
+    # The same layer with an int8 mirror (same codes, same samples). The two mirrors take turns, a
+    # burst of back-to-back calls each (warm) or call by call (cold), so this machine's drift falls on
+    # both alike.
+    # Cold: copies of each layer's segments in turn (same keys, same codes: the same work at other
+    # addresses; the few dense tokens stay in one cache).
+    segs8 = build("int8")
+    firsts = {"cache": segs, "int8": segs8}
+    layers, mirror_b, prof, outs = {}, {}, {}, {}
+    for m, first in firsts.items():
+        mirror_b[m] = sum(s.mirror_bytes for s in first)
+        layers[m] = [first] + [build(m) for _ in range(cold_layers(index_b + mirror_b[m]) - 1)]
+        mp(first)
+        outs[m] = out.clone()
+    warm = timeit_alternating({m: [lambda f=f: mp(f)] for m, f in firsts.items()}, max(2, reps // 3), burst=4)
+    cold = timeit_alternating({m: [lambda lay=lay: mp(lay) for lay in lays] for m, lays in layers.items()},
+                              max(reps, 2 * max(len(v) for v in layers.values())))
+    for m, first in firsts.items():
+        prof[m] = {"warm": profile([lambda f=first: mp(f)]),
+                   "cold": profile([lambda lay=lay: mp(lay) for lay in layers[m]])}
+    n_cold = len(layers["cache"])
+    t_mp, t_mp_cold, t_mp8, t_mp8_cold = warm["cache"], cold["cache"], warm["int8"], cold["int8"]
+    out_cache, out_int8 = outs["cache"], outs["int8"]
+    del layers, segs8, firsts
+    t_mp_scalar = timeit(lambda: mp(segs, True), max(3, reps // 4), warmup=1)
+    mp(segs)
     sampled_frac = cnt.double().mean().item() / (cov_hi - cov_lo)
 
     # Bytes the kernel touches per step: bucket ids walked, the union of sampled rows per KV head
-    # (K + V + norm), and the dense rows.
+    # (K + V + norm: 4D + 4 bytes with the cache's bf16 rows, 2D + 12 with int8 rows), and the dense rows.
     walked, union_rows = 0, 0
     qc = qcodes[0]
     for s in segs:
@@ -201,11 +233,14 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     print(f"#   walked={walked} union_rows={union_rows} per-head sampled={cnt.sum().item()}")
     dense_rows = (SINKS + n - cov_hi) * hkv
     mp_bytes = walked * 2 + union_rows * (4 * D + 4) + dense_rows * 4 * D
+    mp_bytes8 = walked * 2 + union_rows * (2 * D + 12) + dense_rows * 4 * D
     exact_bytes = n * hkv * D * 2 * 2
 
     res = dict(D=D, hkv=hkv, G=G, n=n, n_cold=n_cold, t_mp=t_mp, t_mp_cold=t_mp_cold, t_mp_scalar=t_mp_scalar,
                sampled=sampled_frac, mp_bytes=mp_bytes, index_bpt=index_b / ((cov_hi - cov_lo) * hkv), build=build_s,
-               mirror_bpt=mirror_b / ((cov_hi - cov_lo) * hkv), exact_bytes=exact_bytes, bw=bw, profile=prof)
+               mirror_bpt=mirror_b["cache"] / ((cov_hi - cov_lo) * hkv), exact_bytes=exact_bytes, bw=bw,
+               profile=prof["cache"], t_mp8=t_mp8, t_mp8_cold=t_mp8_cold, mp_bytes8=mp_bytes8, profile8=prof["int8"],
+               mirror_bpt8=mirror_b["int8"] / ((cov_hi - cov_lo) * hkv))
 
     # Exact attention over the same K/V.
     if ops is not None:
@@ -235,7 +270,11 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
         qq, kq, vq, scale=scale, enable_gqa=True), max(3, reps // 2))
     if n <= 32768:
         ex, _ = ref.exact_attention(q[0], keys, vals, scale)
-        res["mp_err"] = ((out[0].double() - ex).norm(dim=-1) / ex.norm(dim=-1)).mean().item()
+        res["mp_err"] = ((out_cache[0].double() - ex).norm(dim=-1) / ex.norm(dim=-1)).mean().item()
+        res["mp8_err"] = ((out_int8[0].double() - ex).norm(dim=-1) / ex.norm(dim=-1)).mean().item()
+    # What the int8 rows move the output by, against what sampling moves it by (both as norms).
+    res["int8_gap"] = ((out_int8[0].double() - out_cache[0].double()).norm(dim=-1)
+                       / out_cache[0].double().norm(dim=-1)).mean().item()
     if with_ref:
         cov = torch.zeros(n, dtype=torch.bool)
         cov[cov_lo:cov_hi] = True
@@ -245,7 +284,7 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
         ro, _, _ = ref.magicpig_attention(q[0], keys, vals, centre, W, K, L, cov, scale, query_codes=qc.long(),
                                           kcodes=kc, query_dot_centre=qdc[0])
         res["t_ref"] = time.perf_counter() - t
-        res["ref_diff"] = (out[0].double() - ro).abs().max().item()
+        res["ref_diff"] = (out_cache[0].double() - ro).abs().max().item()
     return res
 
 
@@ -262,8 +301,8 @@ def main():
     gen = torch.Generator().manual_seed(1234)
     ops = load_vllm()
     bw = copy_bandwidth()
-    # A token's K and V rows, 4*D bytes, are what a sampled key costs the kernel.
-    roof = gather_roofs([4 * D for D, _, _ in CONFIGS], torch.get_num_threads())
+    # A token's K and V rows, 4*D bytes, are what a sampled key costs the kernel (about 2*D with int8 rows).
+    roof = gather_roofs(sorted({b * D for D, _, _ in CONFIGS for b in (2, 4)}), torch.get_num_threads())
     print("# random-row gather roof: " + ", ".join(f"{b} B rows {g:.1f} GB/s ({100 * g / bw:.0f}% of copy)"
                                                    for b, g in roof.items()))
     print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s "
@@ -308,6 +347,25 @@ def main():
               f"{r['t_vllm'] / r['t_mp']:.1f}x | {r['t_vllm_cold'] / r['t_mp_cold']:.1f}x | {100 * r['sampled']:.2f} | "
               f"{gbs:.1f} ({100 * gbs / r['bw']:.0f}%) | {100 * gbs / roof[4 * r['D']]:.0f}% |")
     print()
+    print("The int8 mirror (the same layer built with mirror='int8': the same codes and samples, K/V rows as 8-bit "
+          "values with a scale per row, 2D + 12 bytes; timed right after the cache-dtype mirror, the same way):")
+    print()
+    print("| D | Hkv x G | ctx | mirror B/tok/KVh bf16 / int8 | warm ms bf16 / int8 | cold ms bf16 / int8 | "
+          "int8 over bf16 warm / cold | int8 vs vLLM warm / cold | sampled % | int8 GB/s cold (% of 2D-byte roof) | "
+          "rel. err vs exact bf16 / int8 | int8 moves output by |")
+    print("|" + "---|" * 12)
+    for r in rows:
+        vs = (f"{r['t_vllm'] / r['t_mp8']:.1f}x / {r['t_vllm_cold'] / r['t_mp8_cold']:.1f}x" if "t_vllm" in r
+              else "n/a")
+        gbs8 = r["mp_bytes8"] / r["t_mp8_cold"] / 1e9
+        err = f"{r['mp_err']:.3f} / {r['mp8_err']:.3f}" if "mp8_err" in r else "-"
+        print(f"| {r['D']} | {r['hkv']}x{r['G']} | {r['n'] // 1024}K | "
+              f"{r['mirror_bpt']:.0f} / {r['mirror_bpt8']:.0f} | {r['t_mp'] * 1e3:.3f} / {r['t_mp8'] * 1e3:.3f} | "
+              f"{r['t_mp_cold'] * 1e3:.3f} / {r['t_mp8_cold'] * 1e3:.3f} | "
+              f"{r['t_mp'] / r['t_mp8']:.2f}x / {r['t_mp_cold'] / r['t_mp8_cold']:.2f}x | {vs} | "
+              f"{100 * r['sampled']:.2f} | {gbs8:.1f} ({100 * gbs8 / roof[2 * r['D']]:.0f}%) | {err} | "
+              f"{100 * r['int8_gap']:.2f}% |")
+    print()
     print("Against the bandwidth roof (exact attention streaming its K/V once at the copy bandwidth; does not "
           "move with the exact kernels' noise):")
     print()
@@ -321,8 +379,9 @@ def main():
     print()
     print("Time breakdown (per step, thread-ms summed over the threads):")
     for r in rows:
-        for mode, phases in r["profile"].items():
-            print(f"  D={r['D']} n={r['n']} {mode}: {phases}")
+        for mirror, key in (("bf16", "profile"), ("int8", "profile8")):
+            for mode, phases in r[key].items():
+                print(f"  D={r['D']} n={r['n']} {mirror} {mode}: {phases}")
     print()
     print(f"index target <= {1.5 * args.L * 2:.0f} B/tok/KV head; speed targets: 32K >= 8x, 128K >= 15x vs exact")
     for mode, mp_key, ex_key in (("warm", "t_mp", "t_vllm"), ("cold", "t_mp_cold", "t_vllm_cold")):

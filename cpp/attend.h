@@ -8,6 +8,7 @@
 #pragma once
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -71,20 +72,73 @@ struct Unit {
 // Head g's own rows, in the same order, get the compact entries [off[g], off[g + 1]) of the
 // per-entry scratch arrays (scores, norms), so the logits and the softmax run over dense arrays
 // and a head's arithmetic never depends on which other heads share its unit.
+//
+// A segment with an int8 mirror gives kv8 instead of kb / vb / knorm: row i is the whole int8 row
+// (common.h's int8_row_bytes) at kv8 + idx[i] * stride bytes, its norm and scales inside.
 struct Rows {
   const uint16_t* kb;
   const uint16_t* vb;
+  const int8_t* kv8;
   const uint16_t* idx;   // row i is kb + idx[i]*stride (segment) or kb + i*stride (dense tile)
   const uint16_t* mask;  // per row: bit g = query head g attends this row
-  const float* knorm;    // segment only: |k - c| by token id
+  const float* knorm;    // cache-mirror segment only: |k - c| by token id
   int n;
-  int stride;  // elements from one token's row to the next: 2d in a segment's K/V mirror, d in a tile
+  int stride;  // from one token's row to the next: 2d elements in a segment's K/V mirror, d in a tile,
+               // int8_row_bytes(d) bytes in an int8 mirror
   bool seg;
   int off[MAXG + 1];
   const uint16_t* row(const uint16_t* base, int i) const {
     return base + static_cast<size_t>(idx ? idx[i] : i) * stride;
   }
+  const int8_t* row8(int i) const { return kv8 + static_cast<size_t>(idx[i]) * stride; }
+  // |k - c| of row i (segments only).
+  float norm(int i) const {
+    if (!kv8) return knorm[idx[i]];
+    float v;
+    std::memcpy(&v, row8(i), 4);
+    return v;
+  }
 };
+
+// The K (or V) part of an int8 row: its scale and its d bytes.
+struct Int8Part {
+  float scale;
+  const int8_t* q;
+};
+inline Int8Part int8_key(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row + 4, 4);
+  return {s, row + kInt8KeyOffset};
+}
+inline Int8Part int8_value(const int8_t* row, int d) {
+  float s;
+  std::memcpy(&s, row + int8_value_offset(d), 4);
+  return {s, row + int8_value_offset(d) + 4};
+}
+
+// The cache lines of bytes [p, p + nbytes).
+inline void prefetch_bytes(const void* p, int nbytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int j = 0; j < nbytes; j += 64) __builtin_prefetch(c + j);
+  __builtin_prefetch(c + nbytes - 1);
+}
+// What each pass of the attention reads of row i ahead of time: its K row (with the norm of a
+// segment's key), or its V row.
+inline void prefetch_key(const Rows& rows, int i, int d) {
+  if (rows.kv8) {
+    prefetch_bytes(rows.row8(i), kInt8KeyOffset + d);
+    return;
+  }
+  for (int j = 0; j < d; j += 32) __builtin_prefetch(rows.row(rows.kb, i) + j);
+  if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i]);
+}
+inline void prefetch_value(const Rows& rows, int i, int d) {
+  if (rows.kv8) {
+    prefetch_bytes(rows.row8(i) + int8_value_offset(d), d + 4);
+    return;
+  }
+  for (int j = 0; j < d; j += 32) __builtin_prefetch(rows.row(rows.vb, i) + j);
+}
 
 struct Heads {
   int G;
@@ -115,11 +169,6 @@ struct Scratch {
 
 // Rows ahead of the current one whose lines are prefetched in the row loops.
 constexpr int kPrefetchRows = 16;
-
-// The cache lines of one d-element 16-bit row.
-inline void prefetch_row(const uint16_t* p, int d) {
-  for (int j = 0; j < d; j += 32) __builtin_prefetch(p + j);
-}
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())

@@ -7,6 +7,15 @@
 
 namespace mp {
 
+// scale * q[j] into out[0..d), one rounding per element as attend_scalar's.
+MP_AVX2 static inline void int8_row_to_f32(Int8Part p, float* out, int d) {
+  const __m256 s = _mm256_set1_ps(p.scale);
+  for (int j = 0; j < d; j += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+  }
+}
+
 // Row pass 1: q.k for every (row, head) the mask asks for, into the head's next compact entry,
 // and for segments the row's |k - c| beside it.
 MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch) {
@@ -17,13 +26,14 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) {
-      prefetch_row(rows.row(rows.kb, i + kPrefetchRows), d);
-      if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
+    if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
+    if (rows.kv8) {
+      int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
+    } else {
+      const uint16_t* kr = rows.row(rows.kb, i);
+      for (int j = 0; j < d; j += 8) _mm256_storeu_ps(kf + j, load8(kr + j, args.dtype));
     }
-    const uint16_t* kr = rows.row(rows.kb, i);
-    for (int j = 0; j < d; j += 8) _mm256_storeu_ps(kf + j, load8(kr + j, args.dtype));
-    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    const float kn = rows.seg ? rows.norm(i) : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
       const int g = __builtin_ctz(m), p = pos[g]++;
       sc[p] = dot8_f32(heads.q[g], kf, d);
@@ -104,9 +114,13 @@ MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& he
   int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_row(rows.row(rows.vb, i + kPrefetchRows), d);
-    const uint16_t* vr = rows.row(rows.vb, i);
-    for (int j = 0; j < d; j += 8) _mm256_storeu_ps(vf + j, load8(vr + j, args.dtype));
+    if (i + kPrefetchRows < n) prefetch_value(rows, i + kPrefetchRows, d);
+    if (rows.kv8) {
+      int8_row_to_f32(int8_value(rows.row8(i), d), vf, d);
+    } else {
+      const uint16_t* vr = rows.row(rows.vb, i);
+      for (int j = 0; j < d; j += 8) _mm256_storeu_ps(vf + j, load8(vr + j, args.dtype));
+    }
     for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
       const int g = __builtin_ctz(msk);
       const float p = sc[pos[g]++];

@@ -6,6 +6,15 @@
 namespace mp {
 namespace {
 
+// scale * q[j] into out[0..d), one rounding per element as attend_scalar's.
+MP_AVX512 inline void int8_row_to_f32(Int8Part p, float* out, int d) {
+  const __m512 s = _mm512_set1_ps(p.scale);
+  for (int j = 0; j < d; j += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + j));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
+  }
+}
+
 // Row pass 1: q.k for every (row, head) the mask asks for, written to the head's next compact
 // entry, and for segments the row's |k - c| beside it (the norm's line is prefetched with the row,
 // so the logits read both contiguously).
@@ -17,13 +26,14 @@ MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& he
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) {
-      prefetch_row(rows.row(rows.kb, i + kPrefetchRows), d);
-      if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
+    if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
+    if (rows.kv8) {
+      int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
+    } else {
+      const uint16_t* kr = rows.row(rows.kb, i);
+      for (int j = 0; j < d; j += 16) _mm512_storeu_ps(kf + j, load16(kr + j, args.dtype));
     }
-    const uint16_t* kr = rows.row(rows.kb, i);
-    for (int j = 0; j < d; j += 16) _mm512_storeu_ps(kf + j, load16(kr + j, args.dtype));
-    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    const float kn = rows.seg ? rows.norm(i) : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
       const int g = __builtin_ctz(m), p = pos[g]++;
       sc[p] = dot_f32(heads.q[g], kf, d);
@@ -39,12 +49,9 @@ MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const H
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) {
-      prefetch_row(rows.row(rows.kb, i + kPrefetchRows), d);
-      if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i + kPrefetchRows]);
-    }
+    if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
     const uint16_t* kr = rows.row(rows.kb, i);
-    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    const float kn = rows.seg ? rows.norm(i) : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
       const int g = __builtin_ctz(m), p = pos[g]++;
       sc[p] = dot_bf16(heads.qbf + static_cast<size_t>(g) * d, kr, d);
@@ -67,7 +74,7 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   PhaseTimer pt;
-  if (isa == Isa::Avx512Bf16)
+  if (isa == Isa::Avx512Bf16 && !rows.kv8)  // the bf16 dot reads 16-bit rows in place
     qk_avx512bf16(args, rows, heads, scratch);
   else
     qk_avx512(args, rows, heads, scratch);
@@ -132,9 +139,13 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_row(rows.row(rows.vb, i + kPrefetchRows), d);
-    const uint16_t* vr = rows.row(rows.vb, i);
-    for (int j = 0; j < d; j += 16) _mm512_storeu_ps(vf + j, load16(vr + j, args.dtype));
+    if (i + kPrefetchRows < n) prefetch_value(rows, i + kPrefetchRows, d);
+    if (rows.kv8) {
+      int8_row_to_f32(int8_value(rows.row8(i), d), vf, d);
+    } else {
+      const uint16_t* vr = rows.row(rows.vb, i);
+      for (int j = 0; j < d; j += 16) _mm512_storeu_ps(vf + j, load16(vr + j, args.dtype));
+    }
     for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
       const int g = __builtin_ctz(msk);
       const float p = sc[pos[g]++];

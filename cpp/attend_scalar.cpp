@@ -85,9 +85,14 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    const uint16_t* kr = rows.row(rows.kb, i);
-    for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
-    const float kn = rows.seg ? rows.knorm[rows.idx[i]] : 0.f;
+    if (rows.kv8) {
+      const Int8Part k = int8_key(rows.row8(i));
+      for (int j = 0; j < d; ++j) row[j] = k.scale * static_cast<float>(k.q[j]);
+    } else {
+      const uint16_t* kr = rows.row(rows.kb, i);
+      for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
+    }
+    const float kn = rows.seg ? rows.norm(i) : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
       const int g = __builtin_ctz(m), p = pos[g]++;
       float qk = 0.f;
@@ -128,8 +133,13 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
-    const uint16_t* vr = rows.row(rows.vb, i);
-    for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);
+    if (rows.kv8) {
+      const Int8Part v = int8_value(rows.row8(i), d);
+      for (int j = 0; j < d; ++j) row[j] = v.scale * static_cast<float>(v.q[j]);
+    } else {
+      const uint16_t* vr = rows.row(rows.vb, i);
+      for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);
+    }
     for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
       const int g = __builtin_ctz(msk);
       const float p = sc[pos[g]++];

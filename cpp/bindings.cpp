@@ -60,6 +60,11 @@ void check_segment_args(const char* fn, int n, int hkv, int d, int dtype, int K,
   check_ptr(fn, "centre", c);
 }
 
+void check_mirror(const char* fn, int mirror) {
+  require(mirror == kMirrorCache || mirror == kMirrorInt8,
+          std::string(fn) + ": mirror must be 0 (the cache's dtype) or 1 (int8), got " + num(mirror));
+}
+
 void check_segment(const char* fn, const Segment* s, int hkv, int d, int K, int L, int dtype) {
   require(s != nullptr, std::string(fn) + ": segment is None");
   require(s->hkv == hkv && s->d == d && s->K == K && s->L == L && s->dtype == dtype,
@@ -82,6 +87,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("L", &Segment::L)
       .def_readonly("dtype_code", &Segment::dtype)
       .def_readonly("dense_directory", &Segment::dense_dir)
+      .def_readonly("mirror", &Segment::mirror)
       .def_property_readonly("index_bytes", &Segment::index_bytes)
       .def_property_readonly("mirror_bytes", &Segment::mirror_bytes)
       .def(
@@ -95,39 +101,71 @@ PYBIND11_MODULE(_C, m) {
               for (int i = 0; i < s.n; ++i) o[static_cast<size_t>(t) * s.n + i] = c[i];
             }
           },
-          py::arg("out"));
+          py::arg("out"))
+      .def(
+          "rows_into",
+          [](const Segment& s, uintptr_t kout, uintptr_t vout) {  // fp32 [n][hkv][d] each: the rows decode reads
+            check_ptr("rows_into", "kout", kout);
+            check_ptr("rows_into", "vout", vout);
+            float* ko = ptr<float>(kout);
+            float* vo = ptr<float>(vout);
+            for (int h = 0; h < s.hkv; ++h)
+              for (int i = 0; i < s.n; ++i) {
+                const size_t o = (static_cast<size_t>(i) * s.hkv + h) * s.d;
+                if (s.mirror == kMirrorInt8) {
+                  const int8_t* r = s.kv_row8(h, i);
+                  float ks, vs;
+                  std::memcpy(&ks, r + 4, 4);
+                  std::memcpy(&vs, r + int8_value_offset(s.d), 4);
+                  for (int j = 0; j < s.d; ++j) {
+                    ko[o + j] = ks * static_cast<float>(r[kInt8KeyOffset + j]);
+                    vo[o + j] = vs * static_cast<float>(r[int8_value_offset(s.d) + 4 + j]);
+                  }
+                } else {
+                  const uint16_t* r = s.kv_row(h, i);
+                  for (int j = 0; j < s.d; ++j) {
+                    ko[o + j] = to_f(r[j], s.dtype);
+                    vo[o + j] = to_f(r[s.d + j], s.dtype);
+                  }
+                }
+              }
+          },
+          py::arg("kout"), py::arg("vout"));
 
   m.def(
       "build_segment",
       [](uintptr_t k, uintptr_t v, int n, int hkv, int d, int dtype, uintptr_t c, uintptr_t w, int K, int L,
-         bool force_scalar, int num_threads) {
+         bool force_scalar, int num_threads, int mirror) {
         const char* fn = "build_segment";
         check_segment_args(fn, n, hkv, d, dtype, K, L, k, v, c);
         check_ptr(fn, "w", w);
+        check_mirror(fn, mirror);
         py::gil_scoped_release nogil;
         return build_segment(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype, ptr<const float>(c),
-                             ptr<const float>(w), K, L, force_scalar, num_threads);
+                             ptr<const float>(w), K, L, force_scalar, num_threads, mirror);
       },
       py::arg("keys"), py::arg("values"), py::arg("n"), py::arg("hkv"), py::arg("d"), py::arg("dtype"),
       py::arg("centre"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("force_scalar") = false,
-      py::arg("num_threads") = 0);
+      py::arg("num_threads") = 0, py::arg("mirror") = 0);
 
   m.def(
       "build_segment_from_codes",
       [](uintptr_t k, uintptr_t v, int n, int hkv, int d, int dtype, uintptr_t c, uintptr_t codes, int code_bytes,
-         int K, int L, int num_threads) {
+         int K, int L, int num_threads, int mirror) {
         const char* fn = "build_segment_from_codes";
         check_segment_args(fn, n, hkv, d, dtype, K, L, k, v, c);
         check_ptr(fn, "codes", codes);
         require(code_bytes == 2 || code_bytes == 4,
                 std::string(fn) + ": code_bytes must be 2 (uint16) or 4 (int32), got " + num(code_bytes));
+        check_mirror(fn, mirror);
         py::gil_scoped_release nogil;
         return build_segment_from_codes(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype,
-                                        ptr<const float>(c), ptr<const void>(codes), code_bytes, K, L, num_threads);
+                                        ptr<const float>(c), ptr<const void>(codes), code_bytes, K, L, num_threads,
+                                        mirror);
       },
       py::arg("keys"), py::arg("values"), py::arg("n"), py::arg("hkv"), py::arg("d"), py::arg("dtype"),
       py::arg("centre"), py::arg("codes"), py::arg("code_bytes"), py::arg("K"), py::arg("L"),
-      py::arg("num_threads") = 0,
+      py::arg("num_threads") = 0, py::arg("mirror") = 0,
       "A segment over codes int32 (code_bytes 4) or uint16 (2) [hkv][L][n], as Segment.codes_into writes them; "
       "codes outside [0, 2^K) raise ValueError.");
 
@@ -137,7 +175,10 @@ PYBIND11_MODULE(_C, m) {
         require(!parts.empty(), "merge_segments: no segments");
         const Segment* a = parts[0].get();
         require(a != nullptr, "merge_segments: segment is None");
-        for (const auto& p : parts) check_segment("merge_segments", p.get(), a->hkv, a->d, a->K, a->L, a->dtype);
+        for (const auto& p : parts) {
+          check_segment("merge_segments", p.get(), a->hkv, a->d, a->K, a->L, a->dtype);
+          require(p->mirror == a->mirror, "merge_segments: segments with different mirrors (cache dtype / int8)");
+        }
         std::vector<SegmentPtr> cp(parts.begin(), parts.end());
         py::gil_scoped_release nogil;
         return merge_segments(cp, num_threads);  // throws past kMaxSegmentTokens merged tokens

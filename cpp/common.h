@@ -18,7 +18,9 @@
 #pragma once
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -126,15 +128,41 @@ using BigVec = std::vector<T, HugePageAllocator<T>>;
 // One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
 // (KV head, table), a CSR bucket sort of its token ids.  Built once, then read-only, so it may be
 // shared by any number of concurrent kernel calls.
+// How a segment keeps its K/V rows: the cache's 16-bit rows as they are, or 8-bit rows with a scale
+// per row, which halve the bytes a sampled key costs to read and to hold.
+enum MirrorKind : int { kMirrorCache = 0, kMirrorInt8 = 1 };
+
+// One int8 mirror row, 2d + 12 bytes: [|k - c| fp32][K scale fp32][K int8 x d][V scale fp32][V int8 x d].
+// The K pass reads its first 8 + d bytes, the V pass the rest: each pass's bytes are contiguous, and
+// the centred-key norm rides in the K pass's first line instead of a separate random read.
+inline size_t int8_row_bytes(int d) { return 2 * static_cast<size_t>(d) + 12; }
+constexpr int kInt8KeyOffset = 8;                      // K scale at 4, K bytes from 8
+inline int int8_value_offset(int d) { return 8 + d; }  // V scale here, V bytes 4 further
+// Quantizes x[0..d) to q with scale max|x| / 127 (0 for an all-zero row): q = nearbyint(x * 127 / max|x|),
+// so scale * q is within scale / 2 of x.  Returns the scale.  eval/reference.py's int8_rows is its twin.
+inline float quantize_int8(const float* x, int d, int8_t* q) {
+  float amax = 0.f;
+  for (int j = 0; j < d; ++j) amax = std::max(amax, std::fabs(x[j]));
+  if (!(amax > 0.f)) {
+    std::fill(q, q + d, int8_t{0});
+    return 0.f;
+  }
+  const float inv = 127.f / amax;
+  for (int j = 0; j < d; ++j) q[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[j] * inv))));
+  return amax / 127.f;
+}
+
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
+  int mirror = kMirrorCache;
   bool dense_dir = true;  // dense 2^K offset table, else sorted distinct codes
   // The K/V mirror, [hkv][n][2][d]: token i's K row, then its V row.  Decode reads the sampled rows at
   // random over hundreds of MB, K first, then V; side by side, a token's V row shares its K row's page
   // (and DRAM row), so the V pass finds it nearby.  Against separate K and V arrays this cut the V pass
   // by half at 128K tokens (benchmarks/results/kernel_bench.md).
   BigVec<uint16_t> kv;
-  BigVec<float> knorm;                  // [hkv][n]  |k - c|, fp32
+  BigVec<float> knorm;                  // [hkv][n]  |k - c|, fp32 (cache mirror only)
+  BigVec<int8_t> kv8;                   // int8 mirror: [hkv][n] rows of int8_row_bytes(d), norms inside
   BigVec<uint16_t> ids;                 // [hkv*L][n] token ids grouped by bucket (ascending inside)
   BigVec<uint16_t> off;                 // dense: [hkv*L][2^K + 1] bucket starts
   std::vector<uint32_t> dir_begin;      // compact: [hkv*L + 1] range into ucode/ustart
@@ -180,7 +208,11 @@ struct Segment {
   }
   // Token i of KV head h: its K row; its V row follows at + d.
   const uint16_t* kv_row(int h, int i) const { return kv.data() + (static_cast<size_t>(h) * n + i) * 2 * d; }
-  size_t mirror_bytes() const { return kv.size() * 2 + knorm.size() * 4; }
+  // Int8 mirror: token i of KV head h's whole row (see int8_row_bytes).
+  const int8_t* kv_row8(int h, int i) const {
+    return kv8.data() + (static_cast<size_t>(h) * n + i) * int8_row_bytes(d);
+  }
+  size_t mirror_bytes() const { return kv.size() * 2 + knorm.size() * 4 + kv8.size(); }
 };
 
 using SegmentPtr = std::shared_ptr<const Segment>;
@@ -209,12 +241,12 @@ void hash_rows_strided(const float* x, int T, int d, const float* w, int ldw, in
 // ---- segment building (segment.cpp) ----
 std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
                                        const float* centre, const float* w, int K, int L, bool force_scalar,
-                                       int num_threads);
+                                       int num_threads, int mirror = kMirrorCache);
 // As build_segment, with the codes [hkv][L][n] given instead of hashed: code_bytes 2 reads them as
 // uint16, 4 as int32.  Throws std::invalid_argument if a code is outside [0, 2^K).
 std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d,
                                                   int dtype, const float* centre, const void* codes, int code_bytes,
-                                                  int K, int L, int num_threads);
+                                                  int K, int L, int num_threads, int mirror = kMirrorCache);
 std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, int num_threads);
 // Writes the per-token codes of table t (inverse of the bucket sort); used by merge and codes().
 void recover_codes(const Segment& s, int t, uint16_t* codes);

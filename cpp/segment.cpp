@@ -99,7 +99,7 @@ static void sort_tables(Segment& s, const uint16_t* codes, int nt) {
 namespace {
 
 // A segment of n tokens with its mirror and norms sized; sort_tables fills the index.
-std::shared_ptr<Segment> new_segment(int n, int hkv, int d, int dtype, int K, int L) {
+std::shared_ptr<Segment> new_segment(int n, int hkv, int d, int dtype, int K, int L, int mirror) {
   auto sp = std::make_shared<Segment>();
   Segment& s = *sp;
   s.n = n;
@@ -108,9 +108,46 @@ std::shared_ptr<Segment> new_segment(int n, int hkv, int d, int dtype, int K, in
   s.K = K;
   s.L = L;
   s.dtype = dtype;
-  s.kv.resize(static_cast<size_t>(hkv) * n * 2 * d);
-  s.knorm.resize(static_cast<size_t>(hkv) * n);
+  s.mirror = mirror;
+  if (mirror == kMirrorInt8) {
+    s.kv8.resize(static_cast<size_t>(hkv) * n * int8_row_bytes(d));
+  } else {
+    s.kv.resize(static_cast<size_t>(hkv) * n * 2 * d);
+    s.knorm.resize(static_cast<size_t>(hkv) * n);
+  }
   return sp;
+}
+
+// mirror_block for an int8 mirror: each K and V row quantized (quantize_int8), and |k - c| taken
+// over the dequantized key, so the kernel's estimator over these rows is exactly its estimator over
+// the keys and values they stand for.  The centred keys left for hashing are the cache's own, so a
+// key's codes, and so which keys are sampled, do not depend on the mirror.
+template <bool kKeepCentred>
+void mirror_block_int8(Segment& s, const uint16_t* keys, const uint16_t* values, const float* c, int h, int t0, int T,
+                       float* x) {
+  const int n = s.n, hkv = s.hkv, d = s.d, dtype = s.dtype;
+  const size_t rb = int8_row_bytes(d);
+  std::vector<float> row(d);
+  for (int t = 0; t < T; ++t) {
+    const size_t i = t0 + t, src = (i * hkv + h) * d;
+    int8_t* dst = s.kv8.data() + (h * static_cast<size_t>(n) + i) * rb;
+    for (int j = 0; j < d; ++j) row[j] = to_f(keys[src + j], dtype);
+    if (kKeepCentred)
+      for (int j = 0; j < d; ++j) x[static_cast<size_t>(t) * d + j] = row[j] - c[j];
+    const float ks = quantize_int8(row.data(), d, dst + kInt8KeyOffset);
+    double ss = 0;
+    for (int j = 0; j < d; ++j) {
+      const float v = ks * static_cast<float>(dst[kInt8KeyOffset + j]) - c[j];
+      ss += static_cast<double>(v) * v;
+    }
+    const float kn = static_cast<float>(std::sqrt(ss));
+    std::memcpy(dst, &kn, 4);
+    std::memcpy(dst + 4, &ks, 4);
+    for (int j = 0; j < d; ++j) row[j] = to_f(values[src + j], dtype);
+    const int vo = int8_value_offset(d);
+    const float vs = quantize_int8(row.data(), d, dst + vo + 4);
+    std::memcpy(dst + vo, &vs, 4);
+  }
 }
 
 // Copies tokens [t0, t0 + T) of KV head h of keys/values [n][hkv][d] into the head-major mirror
@@ -122,6 +159,10 @@ void mirror_block(Segment& s, const uint16_t* keys, const uint16_t* values, cons
                   float* x) {
   const int n = s.n, hkv = s.hkv, d = s.d, dtype = s.dtype;
   const float* c = centre + static_cast<size_t>(h) * d;
+  if (s.mirror == kMirrorInt8) {
+    mirror_block_int8<kKeepCentred>(s, keys, values, c, h, t0, T, x);
+    return;
+  }
   for (int t = 0; t < T; ++t) {
     const size_t i = t0 + t, src = (i * hkv + h) * d, dst = (h * static_cast<size_t>(n) + i) * 2 * d;
     std::memcpy(&s.kv[dst], keys + src, d * 2);
@@ -142,9 +183,9 @@ constexpr int kMirrorBlock = 64;  // tokens per job of the mirror (and hash) loo
 
 std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
                                        const float* centre, const float* w, int K, int L, bool force_scalar,
-                                       int num_threads) {
+                                       int num_threads, int mirror) {
   const int nt = team_size(num_threads);
-  auto sp = new_segment(n, hkv, d, dtype, K, L);
+  auto sp = new_segment(n, hkv, d, dtype, K, L, mirror);
   Segment& s = *sp;
   std::vector<uint16_t> codes(static_cast<size_t>(hkv) * L * n);
   const int TB = kMirrorBlock, nblk = (n + TB - 1) / TB;
@@ -168,7 +209,7 @@ std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* val
 
 std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d,
                                                   int dtype, const float* centre, const void* codes, int code_bytes,
-                                                  int K, int L, int num_threads) {
+                                                  int K, int L, int num_threads, int mirror) {
   if (code_bytes != 2 && code_bytes != 4)
     throw std::invalid_argument("build_segment_from_codes: code_bytes must be 2 (uint16) or 4 (int32), got " +
                                 std::to_string(code_bytes));
@@ -197,7 +238,7 @@ std::shared_ptr<Segment> build_segment_from_codes(const uint16_t* keys, const ui
   }
   if (bad)
     throw std::invalid_argument("build_segment_from_codes: codes must lie in [0, 2^K=" + std::to_string(B) + ")");
-  auto sp = new_segment(n, hkv, d, dtype, K, L);
+  auto sp = new_segment(n, hkv, d, dtype, K, L, mirror);
   Segment& s = *sp;
   const int TB = kMirrorBlock, nblk = (n + TB - 1) / TB;
 #pragma omp parallel for schedule(dynamic) num_threads(nt)
@@ -347,21 +388,33 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, in
   s.K = a.K;
   s.L = a.L;
   s.dtype = a.dtype;
+  s.mirror = a.mirror;
   for (auto& p : parts) {
+    if (p->mirror != a.mirror) throw std::invalid_argument("merge_segments: segments with different mirrors");
     s.n += p->n;  // checked as it grows, so no number of parts can overflow it
     if (s.n > kMaxSegmentTokens)
       throw std::invalid_argument("merge_segments: merged segment exceeds " + std::to_string(kMaxSegmentTokens) +
                                   " tokens");
   }
   const int n = s.n, d = s.d, T = s.hkv * s.L;
-  s.kv.resize(static_cast<size_t>(s.hkv) * n * 2 * d);
-  s.knorm.resize(static_cast<size_t>(s.hkv) * n);
+  const bool i8 = s.mirror == kMirrorInt8;
+  const size_t rb = int8_row_bytes(d);
+  if (i8) {
+    s.kv8.resize(static_cast<size_t>(s.hkv) * n * rb);
+  } else {
+    s.kv.resize(static_cast<size_t>(s.hkv) * n * 2 * d);
+    s.knorm.resize(static_cast<size_t>(s.hkv) * n);
+  }
   for (int h = 0; h < s.hkv; ++h) {
     size_t o = 0;
     for (auto& p : parts) {
       const size_t src = static_cast<size_t>(h) * p->n, dst = static_cast<size_t>(h) * n + o;
-      std::copy_n(p->kv.begin() + src * 2 * d, static_cast<size_t>(p->n) * 2 * d, s.kv.begin() + dst * 2 * d);
-      std::copy_n(p->knorm.begin() + src, p->n, s.knorm.begin() + dst);
+      if (i8) {
+        std::copy_n(p->kv8.begin() + src * rb, static_cast<size_t>(p->n) * rb, s.kv8.begin() + dst * rb);
+      } else {
+        std::copy_n(p->kv.begin() + src * 2 * d, static_cast<size_t>(p->n) * 2 * d, s.kv.begin() + dst * 2 * d);
+        std::copy_n(p->knorm.begin() + src, p->n, s.knorm.begin() + dst);
+      }
       o += p->n;
     }
   }

@@ -184,12 +184,17 @@ int64_t sparse_decode(const AttnArgs& in) {
       }
       const Segment& seg = *unit.seg;
       const size_t base = static_cast<size_t>(unit.kvh) * seg.n;
-      rows.kb = seg.kv_row(unit.kvh, 0);
-      rows.vb = rows.kb + args.d;
-      rows.stride = 2 * args.d;
+      if (seg.mirror == kMirrorInt8) {
+        rows.kv8 = seg.kv_row8(unit.kvh, 0);
+        rows.stride = static_cast<int>(int8_row_bytes(args.d));
+      } else {
+        rows.kb = seg.kv_row(unit.kvh, 0);
+        rows.vb = rows.kb + args.d;
+        rows.stride = 2 * args.d;
+        rows.knorm = seg.knorm.data() + base;
+      }
       rows.idx = scratch.list.data();
       rows.mask = scratch.rmask.data();
-      rows.knorm = seg.knorm.data() + base;
       rows.n = static_cast<int>(scratch.list.size());
       rows.seg = true;
       pt.tick(kPhaseLookup);

@@ -198,6 +198,25 @@ def test_pure_decode_is_sampled_and_near_exact_when_nearly_every_key_is_sampled(
         assert rel_err(out[r], ref[r]) < 2e-2, r
 
 
+def test_an_int8_mirror_halves_the_mirror_and_stays_near_exact(vllm_env):
+    """mirror_dtype int8: segments keep 8-bit rows (2D + 12 bytes a token per KV head against 4D + 4),
+    and with nearly every key sampled the output stays near CPU_ATTN's; the counters show MAGICPIG
+    served the step."""
+    spec = BatchSpec([3000, 1500, 2600], [1, 1, 1])
+    held = {}
+    for mirror in ("auto", "int8"):
+        h = harness(vllm_env, spec, K=1, L=64, mirror_dtype=mirror)
+        out, ref, meta = h.step()
+        st = h.stats()
+        assert meta.sparse_plan.sparse == [0, 1, 2]
+        assert st["decode_sparse"] == 3 and st["decode_by_method"] == {"magicpig": 3}, st
+        assert st["sampled_fraction"] > 0.95, st
+        for r in range(3):
+            assert rel_err(out[r], ref[r]) < 3e-2, (mirror, r)
+        held[mirror] = st["mirror_bytes"]
+    assert held["int8"] * (4 * D + 4) == held["auto"] * (2 * D + 12), held
+
+
 def test_pure_decode_at_default_budget_samples_few_keys(vllm_env):
     """The default (K, L) samples a few percent of the keys: the output is an estimate (its
     accuracy against the float64 estimator is test_decode_path's), not exact attention."""

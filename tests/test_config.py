@@ -154,7 +154,8 @@ def test_out_of_range_names_key_and_range(key, value, allowed):
     _raises([f"'{key}'={value}", "out of range", f"allowed: {allowed}"], **{key: value})
 
 
-@pytest.mark.parametrize("key,allowed", [("centering", CENTERINGS), ("decode_method", DECODE_METHODS)])
+@pytest.mark.parametrize("key,allowed", [("centering", CENTERINGS), ("decode_method", DECODE_METHODS),
+                                         ("mirror_dtype", ("auto", "int8"))])
 def test_bad_choice_lists_allowed_values(key, allowed):
     msg = _raises([f"'{key}'='bogus'", "not supported", "allowed:"], **{key: "bogus"})
     for v in allowed:
@@ -168,6 +169,7 @@ def test_choice_sets_contain_the_defaults():
         assert _parse(centering=v).centering == v
     for v in DECODE_METHODS:
         assert _parse(decode_method=v).decode_method == v
+    assert MagicPigConfig().mirror_dtype == "auto" and _parse(mirror_dtype="int8").mirror_dtype == "int8"
 
 
 def test_max_segment_smaller_than_segment():

@@ -50,8 +50,9 @@ class Case:
     """One batch: per request a context, a covered range split into segments, and dense ranges."""
 
     def __init__(self, gen, lens, hkv, G, D, K, L, dtype=torch.bfloat16, seg_sizes=None, sink=4,
-                 window=16, block_size=16, qdtype=None, query_scale=1.0):
+                 window=16, block_size=16, qdtype=None, query_scale=1.0, mirror="cache"):
         self.gen, self.hkv, self.H, self.D, self.K, self.L = gen, hkv, hkv * G, D, K, L
+        self.mirror = mirror
         self.scale = D ** -0.5
         self.W = torch.randn(D, K * L, generator=gen)
         self.ctx, self.segs, self.ranges, self.covered, self.centres = [], [], [], [], []
@@ -64,7 +65,7 @@ class Case:
             centre = keys[a:b].float().mean(0) if b > a else torch.zeros(hkv, D)
             segs, p = [], a
             for s in sizes:
-                segs.append(kx.build_segment(keys[p:p + s], vals[p:p + s], centre, self.W, K, L))
+                segs.append(kx.build_segment(keys[p:p + s], vals[p:p + s], centre, self.W, K, L, mirror=mirror))
                 p += s
             cov = torch.zeros(n, dtype=torch.bool)
             cov[a:p] = True
@@ -97,6 +98,10 @@ class Case:
         the estimator exactly; code agreement is tested separately)."""
         keys, vals = self.ctx[r]
         n = keys.shape[0]
+        if self.mirror == "int8":  # sampled rows are read from the mirror, dense ones from the cache
+            cov = self.covered[r].view(n, 1, 1)
+            keys = torch.where(cov, ref.int8_rows(keys), keys.double())
+            vals = torch.where(cov, ref.int8_rows(vals), vals.double())
         kcodes = torch.zeros(self.hkv, self.L, n, dtype=torch.long)
         p = self.ranges[r][0][1]
         for s in self.segs[r]:

@@ -60,6 +60,11 @@ class MagicPigConfig:
     index_memory_mb: int = 4096
     """Cap on the CPU-side index (hash tables + K/V mirror), per worker. Least
     recently used segments are evicted; their tokens are then attended exactly."""
+    mirror_dtype: str = "auto"
+    """How segments keep the K/V rows that decode samples: 'auto', as the KV cache holds them (bf16 /
+    fp16), or 'int8', 8-bit values with a scale per row: half the mirror's memory and the bytes each
+    sampled key costs to read, output within ~1% of 'auto' (``benchmarks/kernel_bench.py``); the
+    sampled keys are the same."""
     centering: str = "request"
     """Key centring: per request (the paper's; measured best) or none (ablation only).
     Also accepted as ``centring``."""
@@ -133,6 +138,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
 # target_cost: below 0.1% a 16K context keeps ~16 keys per head; above 50% sampling is no cheaper
 # than attending every key exactly.
 TARGET_COST_RANGE = (0.001, 0.5)
+MIRROR_DTYPES = ("auto", "int8")
 BUDGET_ONLY_KEYS = ("max_L", "calibration_decodes")
 
 
@@ -241,6 +247,8 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = tuple(sorted(set(layers)))
         elif key in ("centering", "decode_method"):
             values[key] = check_choice(key, value, centerings() if key == "centering" else decode_method_names())
+        elif key == "mirror_dtype":
+            values[key] = check_choice(key, value, MIRROR_DTYPES)
         elif key == "target_cost":
             values[key] = None if value is None else check_target_cost(value)
         elif key in ("inherit_centre", "cost_model", "background_index"):

@@ -112,6 +112,8 @@ class Segment:
     L = property(lambda self: self._c.L)
     index_bytes = property(lambda self: self._c.index_bytes, doc="CSR ids + bucket directory")
     mirror_bytes = property(lambda self: self._c.mirror_bytes, doc="K/V copy + centred key norms")
+    mirror = property(lambda self: _MIRROR_NAME[self._c.mirror],
+                      doc='"cache": K/V rows in the cache dtype; "int8": 8-bit rows with a scale per row')
     dtype = property(lambda self: _CODE_DTYPE[self._c.dtype_code])
 
     def codes(self) -> torch.Tensor:
@@ -121,9 +123,18 @@ class Segment:
         c.codes_into(out.data_ptr())
         return out
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 K and V [n, Hkv, D] as decode reads them from the mirror (for tests)."""
+        c = self._c
+        k = torch.empty(c.num_tokens, c.num_kv_heads, c.head_dim)
+        v = torch.empty_like(k)
+        c.rows_into(k.data_ptr(), v.data_ptr())
+        return k, v
+
     def __repr__(self):
         return (f"Segment(n={self.num_tokens}, Hkv={self.num_kv_heads}, D={self.head_dim}, K={self.K}, "
-                f"L={self.L}, dtype={self.dtype}, index_bytes={self.index_bytes}, mirror_bytes={self.mirror_bytes})")
+                f"L={self.L}, dtype={self.dtype}, mirror={self.mirror}, index_bytes={self.index_bytes}, "
+                f"mirror_bytes={self.mirror_bytes})")
 
 
 # ----------------------------------------------------------------------------- validation helpers
@@ -216,18 +227,33 @@ def _check_kv(keys, values, centre):
 
 
 # ----------------------------------------------------------------------------- segments and hashing
+# The mirror forms a segment may keep its K/V rows in (cpp/common.h's MirrorKind).
+MIRRORS = ("cache", "int8")
+_MIRROR_NAME = dict(enumerate(MIRRORS))
+
+
+def _mirror_code(mirror: str) -> int:
+    if mirror not in MIRRORS:
+        raise ValueError(f"mirror must be one of {MIRRORS}, got {mirror!r}")
+    return MIRRORS.index(mirror)
+
+
 def build_segment(keys, values, centre, projection, K: int, L: int, *, force_scalar: bool = False,
-                  num_threads: int | None = None) -> Segment:
+                  num_threads: int | None = None, mirror: str = "cache") -> Segment:
     """Index keys/values [n, Hkv, D] (bf16/fp16): centre, hash (k - c) and bucket-sort per table.
 
+    ``mirror="int8"`` keeps the sampled rows as 8-bit values with a scale per row (see
+    ``eval.reference.int8_rows``): half the bytes per key to hold and to read; the codes, and so
+    the sampled keys, are the same as with the cache's dtype.
     ``force_scalar`` hashes with the portable path even where a SIMD path is available (for tests)."""
     _check_kl(K, L)
     n, hkv, D = _check_kv(keys, values, centre)
     projection = _check_projection(projection, D, K, L)
     nt = _threads(num_threads)
+    code = _mirror_code(mirror)
     keys, values, centre = keys.contiguous(), values.contiguous(), centre.contiguous()
     c = _C.build_segment(keys.data_ptr(), values.data_ptr(), n, hkv, D, _DTYPE_CODE[keys.dtype],
-                         centre.data_ptr(), projection.data_ptr(), K, L, bool(force_scalar), nt)
+                         centre.data_ptr(), projection.data_ptr(), K, L, bool(force_scalar), nt, code)
     return Segment(c)
 
 
@@ -236,7 +262,7 @@ _CODE_BYTES = {torch.int32: 4, torch.int16: 2}
 
 
 def build_segment_from_codes(keys, values, centre, codes, K: int, L: int, *,
-                             num_threads: int | None = None) -> Segment:
+                             num_threads: int | None = None, mirror: str = "cache") -> Segment:
     """:func:`build_segment` with the codes of (k - c) given instead of a projection (they were
     hashed elsewhere, e.g. on the GPU next to the cache): the same mirror, centred-key norms and
     bucket sort, no hashing.
@@ -251,6 +277,7 @@ def build_segment_from_codes(keys, values, centre, codes, K: int, L: int, *,
     _dtype("codes", codes, tuple(_CODE_BYTES))
     _shape("codes", codes, (hkv, L, n))
     nt = _threads(num_threads)
+    mcode = _mirror_code(mirror)
     if not (codes.dtype == torch.int16 and K == 16):  # else every int16 bit pattern is a code
         lo, hi = (int(v) for v in torch.aminmax(codes))
         if lo < 0 or hi >= (1 << K):
@@ -258,7 +285,8 @@ def build_segment_from_codes(keys, values, centre, codes, K: int, L: int, *,
                              f"got min {lo}, max {hi}")
     keys, values, centre, codes = keys.contiguous(), values.contiguous(), centre.contiguous(), codes.contiguous()
     c = _C.build_segment_from_codes(keys.data_ptr(), values.data_ptr(), n, hkv, D, _DTYPE_CODE[keys.dtype],
-                                    centre.data_ptr(), codes.data_ptr(), _CODE_BYTES[codes.dtype], K, L, nt)
+                                    centre.data_ptr(), codes.data_ptr(), _CODE_BYTES[codes.dtype], K, L, nt,
+                                    mcode)
     return Segment(c)
 
 
@@ -273,7 +301,7 @@ def merge_segments(segments: Sequence[Segment], num_threads: int | None = None) 
             raise TypeError(f"merge_segments takes Segment objects, got {type(s).__name__}")
     a = segments[0]
     for s in segments[1:]:
-        for f in ("num_kv_heads", "head_dim", "K", "L", "dtype"):
+        for f in ("num_kv_heads", "head_dim", "K", "L", "dtype", "mirror"):
             if getattr(s, f) != getattr(a, f):
                 raise ValueError(f"cannot merge segments with different {f}: {getattr(a, f)} vs {getattr(s, f)}")
     total = sum(s.num_tokens for s in segments)

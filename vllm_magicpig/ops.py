@@ -44,6 +44,9 @@ class SparseDecodeOps(Protocol):
         ``projection`` and each request's centre (None: no segments); returns the sampled keys
         summed over requests and heads. The CPU path's one native call per sparse layer."""
 
+    def set_mirror_dtype(self, mirror_dtype: str) -> None:
+        """How segments built from now on keep their K/V rows (the config's ``mirror_dtype``)."""
+
     def set_memory_cap(self, cap_bytes: int) -> None:
         """The index's memory cap (``index_memory_mb``): memory freed by dropped segments may be
         kept for reuse by later builds only while the index's memory, in use or kept, stays within it."""
@@ -65,12 +68,18 @@ class CpuKernelOps:
 
         self._kernel = kernel
         self.num_threads = num_threads
+        self.mirror = "cache"  # the kernel's name for mirror_dtype "auto"
+
+    def set_mirror_dtype(self, mirror_dtype):
+        self.mirror = "cache" if mirror_dtype == "auto" else mirror_dtype
 
     def build_segment(self, keys, values, centre, projection, K, L):
-        return self._kernel.build_segment(keys, values, centre, projection, K, L, num_threads=self.num_threads)
+        return self._kernel.build_segment(keys, values, centre, projection, K, L, num_threads=self.num_threads,
+                                          mirror=self.mirror)
 
     def build_segment_from_codes(self, keys, values, centre, codes, K, L):
-        return self._kernel.build_segment_from_codes(keys, values, centre, codes, K, L, num_threads=self.num_threads)
+        return self._kernel.build_segment_from_codes(keys, values, centre, codes, K, L, num_threads=self.num_threads,
+                                                     mirror=self.mirror)
 
     def merge_segments(self, segments):
         return self._kernel.merge_segments(segments, num_threads=self.num_threads)

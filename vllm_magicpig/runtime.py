@@ -52,6 +52,7 @@ class MagicPigRuntime:
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
         self.ops.set_memory_cap(self.cap_bytes)
+        self.ops.set_mirror_dtype(cfg.mirror_dtype)
         self.stats.add_section("memory_pool", self.ops.memory_pool_stats)
         self.cost = DecodeCostModel() if cfg.cost_model else None
         if self.cost is not None:

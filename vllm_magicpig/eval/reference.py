@@ -104,3 +104,16 @@ def exact_attention(query, keys, values, scale):
     s = scale * torch.einsum("hd,hnd->hn", query.double(), k)
     lse = torch.logsumexp(s, -1)
     return torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v), lse
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """float64 copy of x [..., D] as an int8 mirror holds it: each row scaled by max|x| / 127 and
+    rounded to integers in [-127, 127] (half to even), computed in float32 step by step as the
+    kernel's ``quantize_int8`` does, so the values agree bit for bit."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: a true division (a scalar may become * 1/s)
+    q = torch.round(x * (c127 / safe)).clamp(-127, 127)
+    scale = torch.where(amax > 0, amax / c127, torch.zeros_like(amax))
+    return (scale * q).double()
