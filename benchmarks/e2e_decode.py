@@ -419,6 +419,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="default", help="default and/or all, comma-separated")
     ap.add_argument("--K", type=int, default=10)
     ap.add_argument("--L", type=int, default=150)
+    ap.add_argument("--mirror-dtype", default="auto", choices=("auto", "int8"),
+                    help="MAGICPIG's mirror_dtype (how its segments keep the sampled K/V rows)")
     ap.add_argument("--out", default=str(RESULTS / "e2e_decode"))
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -428,7 +430,8 @@ def main(argv=None) -> int:
     from vllm_magicpig.models import prepare_smollm2
 
     model = str(prepare_smollm2())
-    magicpig = {"K": args.K, "L": args.L, "index_memory_mb": 8192, "log_stats_interval": 0}
+    magicpig = {"K": args.K, "L": args.L, "index_memory_mb": 8192, "log_stats_interval": 0,
+                "mirror_dtype": args.mirror_dtype}
     trained_len, dummy, shape = 8192, False, "SmolLM2-135M bf16 (head_dim 64, 9 query / 3 KV heads, 30 layers)"
     if args.model == "llama-d128":
         import tempfile
@@ -451,7 +454,8 @@ def main(argv=None) -> int:
         f"Command: `python benchmarks/e2e_decode.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"({time.strftime('%Y-%m-%d')})",
         "",
-        f"K={args.K}, L={args.L}, {shape}, enforce_eager, {os.cpu_count()} cores, kernel path {active_isa()}; "
+        f"K={args.K}, L={args.L}, mirror_dtype {args.mirror_dtype}, {shape}, enforce_eager, {os.cpu_count()} cores, "
+        f"kernel path {active_isa()}; "
         "threads `default` = vLLM's binding (1 core for the worker here), `all` = every core.",
         "",
     ] + table_lines(rows, args.decode_tokens, args.cold_tokens)

