@@ -100,22 +100,6 @@ struct Rows {
   }
 };
 
-// The K (or V) part of an int8 row: its scale and its d bytes.
-struct Int8Part {
-  float scale;
-  const int8_t* q;
-};
-inline Int8Part int8_key(const int8_t* row) {
-  float s;
-  std::memcpy(&s, row + 4, 4);
-  return {s, row + kInt8KeyOffset};
-}
-inline Int8Part int8_value(const int8_t* row, int d) {
-  float s;
-  std::memcpy(&s, row + int8_value_offset(d), 4);
-  return {s, row + int8_value_offset(d) + 4};
-}
-
 // The cache lines of bytes [p, p + nbytes).
 inline void prefetch_bytes(const void* p, int nbytes) {
   const char* c = static_cast<const char*>(p);

@@ -113,13 +113,10 @@ PYBIND11_MODULE(_C, m) {
               for (int i = 0; i < s.n; ++i) {
                 const size_t o = (static_cast<size_t>(i) * s.hkv + h) * s.d;
                 if (s.mirror == kMirrorInt8) {
-                  const int8_t* r = s.kv_row8(h, i);
-                  float ks, vs;
-                  std::memcpy(&ks, r + 4, 4);
-                  std::memcpy(&vs, r + int8_value_offset(s.d), 4);
+                  const Int8Part k = int8_key(s.kv_row8(h, i)), v = int8_value(s.kv_row8(h, i), s.d);
                   for (int j = 0; j < s.d; ++j) {
-                    ko[o + j] = ks * static_cast<float>(r[kInt8KeyOffset + j]);
-                    vo[o + j] = vs * static_cast<float>(r[int8_value_offset(s.d) + 4 + j]);
+                    ko[o + j] = k.scale * static_cast<float>(k.q[j]);
+                    vo[o + j] = v.scale * static_cast<float>(v.q[j]);
                   }
                 } else {
                   const uint16_t* r = s.kv_row(h, i);

@@ -138,6 +138,21 @@ enum MirrorKind : int { kMirrorCache = 0, kMirrorInt8 = 1 };
 inline size_t int8_row_bytes(int d) { return 2 * static_cast<size_t>(d) + 12; }
 constexpr int kInt8KeyOffset = 8;                      // K scale at 4, K bytes from 8
 inline int int8_value_offset(int d) { return 8 + d; }  // V scale here, V bytes 4 further
+// The K (or V) part of an int8 row: its scale and its d bytes; element j stands for scale * q[j].
+struct Int8Part {
+  float scale;
+  const int8_t* q;
+};
+inline Int8Part int8_key(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row + 4, 4);
+  return {s, row + kInt8KeyOffset};
+}
+inline Int8Part int8_value(const int8_t* row, int d) {
+  float s;
+  std::memcpy(&s, row + int8_value_offset(d), 4);
+  return {s, row + int8_value_offset(d) + 4};
+}
 // Quantizes x[0..d) to q with scale max|x| / 127 (0 for an all-zero row): q = nearbyint(x * 127 / max|x|),
 // so scale * q is within scale / 2 of x.  Returns the scale.  eval/reference.py's int8_rows is its twin.
 inline float quantize_int8(const float* x, int d, int8_t* q) {
