@@ -456,8 +456,8 @@ def main(argv=None) -> int:
                     help="with --merge: relabel method OLD as NEW in every input (repeatable)")
     ap.add_argument("--kv-space", default=None, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2 smoke, 8 full)")
     ap.add_argument("--index-mb", type=int, default=6144, help="index_memory_mb of the engine")
-    ap.add_argument("--mirror-dtype", default="auto", help="mirror_dtype of the engine (auto or int8): how every "
-                    "sampled method's segments keep their K/V rows")
+    ap.add_argument("--mirror-dtype", default="auto", choices=("auto", "int8"),
+                    help="mirror_dtype of the engine: how every sampled method's segments keep their K/V rows")
     ap.add_argument("--only", default=None, help="comma-separated method names to run (default: all)")
     ap.add_argument("--batch", type=int, default=None, help="prompts per generate call for sparse methods")
     args = ap.parse_args(argv)
