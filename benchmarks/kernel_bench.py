@@ -370,7 +370,7 @@ def main():
               f"{gbs:.1f} ({100 * gbs / r['bw']:.0f}%) | {100 * gbs / roof[4 * r['D']]:.0f}% |")
     print()
     print("The int8 mirror (the same layer built with mirror='int8': the same codes and samples, K/V rows as 8-bit "
-          "values with a scale per row, 2D + 12 bytes; timed right after the cache-dtype mirror, the same way):")
+          "values with a scale per row, 2D + 12 bytes; timed with the cache-dtype mirror, the two taking turns):")
     print()
     print("| D | Hkv x G | ctx | mirror B/tok/KVh bf16 / int8 | warm ms bf16 / int8 | cold ms bf16 / int8 | "
           "int8 over bf16 warm / cold | int8 vs vLLM warm / cold | sampled % | int8 GB/s cold (% of 2D-byte roof) | "

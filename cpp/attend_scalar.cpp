@@ -86,8 +86,7 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
     if (rows.kv8) {
-      const Int8Part k = int8_key(rows.row8(i));
-      for (int j = 0; j < d; ++j) row[j] = k.scale * static_cast<float>(k.q[j]);
+      int8_to_f32(int8_key(rows.row8(i)), row, d);
     } else {
       const uint16_t* kr = rows.row(rows.kb, i);
       for (int j = 0; j < d; ++j) row[j] = to_f(kr[j], args.dtype);
@@ -134,8 +133,7 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   std::copy(rows.off, rows.off + G, pos);
   for (int i = 0; i < n; ++i) {
     if (rows.kv8) {
-      const Int8Part v = int8_value(rows.row8(i), d);
-      for (int j = 0; j < d; ++j) row[j] = v.scale * static_cast<float>(v.q[j]);
+      int8_to_f32(int8_value(rows.row8(i), d), row, d);
     } else {
       const uint16_t* vr = rows.row(rows.vb, i);
       for (int j = 0; j < d; ++j) row[j] = to_f(vr[j], args.dtype);

@@ -113,11 +113,8 @@ PYBIND11_MODULE(_C, m) {
               for (int i = 0; i < s.n; ++i) {
                 const size_t o = (static_cast<size_t>(i) * s.hkv + h) * s.d;
                 if (s.mirror == kMirrorInt8) {
-                  const Int8Part k = int8_key(s.kv_row8(h, i)), v = int8_value(s.kv_row8(h, i), s.d);
-                  for (int j = 0; j < s.d; ++j) {
-                    ko[o + j] = k.scale * static_cast<float>(k.q[j]);
-                    vo[o + j] = v.scale * static_cast<float>(v.q[j]);
-                  }
+                  int8_to_f32(int8_key(s.kv_row8(h, i)), ko + o, s.d);
+                  int8_to_f32(int8_value(s.kv_row8(h, i), s.d), vo + o, s.d);
                 } else {
                   const uint16_t* r = s.kv_row(h, i);
                   for (int j = 0; j < s.d; ++j) {

@@ -125,9 +125,6 @@ struct HugePageAllocator {
 template <typename T>
 using BigVec = std::vector<T, HugePageAllocator<T>>;
 
-// One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
-// (KV head, table), a CSR bucket sort of its token ids.  Built once, then read-only, so it may be
-// shared by any number of concurrent kernel calls.
 // How a segment keeps its K/V rows: the cache's 16-bit rows as they are, or 8-bit rows with a scale
 // per row, which halve the bytes a sampled key costs to read and to hold.
 enum MirrorKind : int { kMirrorCache = 0, kMirrorInt8 = 1 };
@@ -153,6 +150,11 @@ inline Int8Part int8_value(const int8_t* row, int d) {
   std::memcpy(&s, row + int8_value_offset(d), 4);
   return {s, row + int8_value_offset(d) + 4};
 }
+// The d values an int8 part stands for, scale * q[j] (one rounding each), into out: the scalar twin of
+// the attention paths' vector conversions.
+inline void int8_to_f32(Int8Part p, float* out, int d) {
+  for (int j = 0; j < d; ++j) out[j] = p.scale * static_cast<float>(p.q[j]);
+}
 // Quantizes x[0..d) to q with scale max|x| / 127 (0 for an all-zero row): q = nearbyint(x * 127 / max|x|),
 // so scale * q is within scale / 2 of x.  Returns the scale.  eval/reference.py's int8_rows is its twin.
 inline float quantize_int8(const float* x, int d, int8_t* q) {
@@ -167,6 +169,9 @@ inline float quantize_int8(const float* x, int d, int8_t* q) {
   return amax / 127.f;
 }
 
+// One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
+// (KV head, table), a CSR bucket sort of its token ids.  Built once, then read-only, so it may be
+// shared by any number of concurrent kernel calls.
 struct Segment {
   int n = 0, hkv = 0, d = 0, K = 0, L = 0, dtype = BF16;
   int mirror = kMirrorCache;

@@ -390,7 +390,6 @@ std::shared_ptr<Segment> merge_segments(const std::vector<SegmentPtr>& parts, in
   s.dtype = a.dtype;
   s.mirror = a.mirror;
   for (auto& p : parts) {
-    if (p->mirror != a.mirror) throw std::invalid_argument("merge_segments: segments with different mirrors");
     s.n += p->n;  // checked as it grows, so no number of parts can overflow it
     if (s.n > kMaxSegmentTokens)
       throw std::invalid_argument("merge_segments: merged segment exceeds " + std::to_string(kMaxSegmentTokens) +
