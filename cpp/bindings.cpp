@@ -194,11 +194,15 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release nogil;
         std::vector<uint16_t> c(static_cast<size_t>(N) * L);
         const float* xp = ptr<const float>(x);
-        const int TB = 64, nb = (N + TB - 1) / TB;
-#pragma omp parallel for schedule(dynamic) num_threads(team_size(num_threads))
-        for (int b = 0; b < nb; ++b)
-          hash_rows(xp + static_cast<size_t>(b) * TB * d, std::min(TB, N - b * TB), d, ptr<const float>(w), K, L,
-                    c.data() + static_cast<size_t>(b) * TB * L, force_scalar);
+        // One run of rows per thread: every row costs the same, and hash_rows blocks its rows itself.
+        const int nt = team_size(num_threads), per = (N + nt - 1) / nt;
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int b = 0; b < nt; ++b) {
+          const int lo = b * per, rows = std::min(N, lo + per) - lo;
+          if (rows > 0)
+            hash_rows(xp + static_cast<size_t>(lo) * d, rows, d, ptr<const float>(w), K, L,
+                      c.data() + static_cast<size_t>(lo) * L, force_scalar);
+        }
         int32_t* o = ptr<int32_t>(out);
         for (size_t i = 0; i < c.size(); ++i) o[i] = c[i];
       },

@@ -165,7 +165,14 @@ inline float quantize_int8(const float* x, int d, int8_t* q) {
     return 0.f;
   }
   const float inv = 127.f / amax;
-  for (int j = 0; j < d; ++j) q[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[j] * inv))));
+  // Rounds half to even by adding and taking away 1.5 * 2^23 (|x * inv| <= 127 here): what
+  // nearbyint gives in the default rounding mode, without its library call per element, which
+  // kept this loop scalar and made an int8 build cost twice a bf16 one.
+  constexpr float kRound = 12582912.f;
+  for (int j = 0; j < d; ++j) {
+    const float r = (x[j] * inv + kRound) - kRound;
+    q[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, r)));
+  }
   return amax / 127.f;
 }
 

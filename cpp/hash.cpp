@@ -110,55 +110,70 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
   }
 }
 
-// The AVX2 twin of hash_rows_avx512: 4 rows x 16 columns per tile (8 accumulators of 8 lanes; with
-// the 2 W vectors and a broadcast that stays inside the 16 ymm registers), 8 columns at a time
-// after that, and a masked load for the last < 8.  Each column sums its d products in the same
-// order with the same FMAs as the AVX-512 path, so the two give the same codes.  The signs go
-// into the same little-endian bit rows (a byte per 8 columns) for pack_from_masks.
+// The AVX2 twin of hash_rows_avx512.  Each column sums its d products in the same order with the
+// same FMAs as the AVX-512 path, so the two give the same codes; only the loop order differs.  Rows
+// go in blocks of kHashRowBlock, and inside a block the columns are the outer loop: a 16-column
+// tile of W (d x 64 bytes) is then read from L1 by every row group of the block.  Row groups
+// outermost (the AVX-512 path's order) stream all of W, d x K*L floats (384 KB at d = 64 and
+// K*L = 1500, 768 KB at d = 128: past this machine's 512 KB L2), once per group, and the hash ran
+// at a third of FMA peak, bound by those reads.  A group is 6 rows x 16 columns: 12 accumulators
+// (enough to hide the FMA latency; 8 were not), 2 W vectors and a broadcast, inside the 16 ymm
+// registers.  The signs go into the same little-endian bit rows (a byte per 8 columns) for
+// pack_from_masks.
 MP_AVX2 inline uint8_t sign_bits(__m256 a) {  // bit j: lane j > 0
   return static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ)));
 }
+constexpr int kHashRowBlock = 96, kHashGroup = 6;  // rows per block (a multiple of the group), rows per group
 MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes,
                             int ldc) {
   const int C = K * L, stride = (C + 15) / 16 + 2;  // uint16 words per row, as hash_rows_avx512
-  std::vector<uint16_t> masks(static_cast<size_t>(4) * stride, 0);
+  std::vector<uint16_t> masks(static_cast<size_t>(kHashRowBlock) * stride, 0);
   uint8_t* mb = reinterpret_cast<uint8_t*>(masks.data());
   const int bstride = 2 * stride;  // bytes per row
   const __m256 z = _mm256_setzero_ps();
-  for (int t0 = 0; t0 < T; t0 += 4) {
-    const int nt = std::min(4, T - t0);
-    const float* xr[4];
-    for (int r = 0; r < 4; ++r) xr[r] = x + static_cast<size_t>(t0 + std::min(r, nt - 1)) * d;
+  constexpr int R = kHashGroup;
+  for (int b0 = 0; b0 < T; b0 += kHashRowBlock) {
+    const int nb = std::min(kHashRowBlock, T - b0);
     int c0 = 0;
     for (; c0 + 16 <= C; c0 += 16) {
-      __m256 acc[4][2];
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = z;
-      for (int i = 0; i < d; ++i) {
-        const float* wi = w + static_cast<size_t>(i) * ldw + c0;
-        const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
-        for (int r = 0; r < 4; ++r) {
-          const __m256 xb = _mm256_broadcast_ss(xr[r] + i);
-          acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      for (int t0 = 0; t0 < nb; t0 += R) {
+        const float* xr[R];  // rows past the block's end repeat its last row; their bits are never read
+        for (int r = 0; r < R; ++r) xr[r] = x + static_cast<size_t>(b0 + std::min(t0 + r, nb - 1)) * d;
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = z;
+        for (int i = 0; i < d; ++i) {
+          const float* wi = w + static_cast<size_t>(i) * ldw + c0;
+          const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
+          for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(xr[r] + i);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+          }
         }
-      }
-      for (int r = 0; r < 4; ++r) {
-        mb[static_cast<size_t>(r) * bstride + c0 / 8] = sign_bits(acc[r][0]);
-        mb[static_cast<size_t>(r) * bstride + c0 / 8 + 1] = sign_bits(acc[r][1]);
+        for (int r = 0; r < R; ++r) {
+          uint8_t* row = mb + static_cast<size_t>(t0 + r) * bstride;
+          row[c0 / 8] = sign_bits(acc[r][0]);
+          row[c0 / 8 + 1] = sign_bits(acc[r][1]);
+        }
       }
     }
     for (; c0 < C; c0 += 8) {
       const __m256i live = live_lanes8(C, c0);
-      __m256 a[4] = {z, z, z, z};
-      for (int i = 0; i < d; ++i) {
-        const __m256 wv = _mm256_maskload_ps(w + static_cast<size_t>(i) * ldw + c0, live);
-        for (int r = 0; r < 4; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[r] + i), wv, a[r]);
+      for (int t0 = 0; t0 < nb; t0 += R) {
+        const float* xr[R];
+        for (int r = 0; r < R; ++r) xr[r] = x + static_cast<size_t>(b0 + std::min(t0 + r, nb - 1)) * d;
+        __m256 a[R];
+        for (int r = 0; r < R; ++r) a[r] = z;
+        for (int i = 0; i < d; ++i) {
+          const __m256 wv = _mm256_maskload_ps(w + static_cast<size_t>(i) * ldw + c0, live);
+          for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[r] + i), wv, a[r]);
+        }
+        // masked-off lanes summed zeros: their bits are 0 and never read
+        for (int r = 0; r < R; ++r) mb[static_cast<size_t>(t0 + r) * bstride + c0 / 8] = sign_bits(a[r]);
       }
-      // masked-off lanes summed zeros: their bits are 0 and never read
-      for (int r = 0; r < 4; ++r) mb[static_cast<size_t>(r) * bstride + c0 / 8] = sign_bits(a[r]);
     }
-    for (int r = 0; r < nt; ++r)
-      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
+    for (int r = 0; r < nb; ++r)
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(b0 + r) * ldc);
   }
 }
 #endif

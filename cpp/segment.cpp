@@ -198,9 +198,10 @@ std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* val
       const int h = job / nblk, t0 = (job % nblk) * TB, T = std::min(TB, n - t0);
       mirror_block<true>(s, keys, values, centre, h, t0, T, x.data());
       hash_rows(x.data(), T, d, w, K, L, cb.data(), force_scalar);
-      for (int t = 0; t < T; ++t)
-        for (int l = 0; l < L; ++l)
-          codes[(static_cast<size_t>(h) * L + l) * n + t0 + t] = cb[static_cast<size_t>(t) * L + l];
+      for (int l = 0; l < L; ++l) {  // table-major: each table's T codes land in one run
+        uint16_t* dst = codes.data() + (static_cast<size_t>(h) * L + l) * n + t0;
+        for (int t = 0; t < T; ++t) dst[t] = cb[static_cast<size_t>(t) * L + l];
+      }
     }
   }
   sort_tables(s, codes.data(), nt);

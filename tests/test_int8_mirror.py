@@ -19,7 +19,8 @@ from test_kernel import CONFIGS, HAS_FAST, PATHS, TWIN_RTOL, Case, check_case, m
 def test_quantizer_matches_reference_bit_for_bit():
     """The rows an int8 segment keeps equal int8_rows of its input, bit for bit, and lie within half
     a step of it: including an all-zero row, a row with one non-zero, and rows near the ends of
-    the bf16 range. A cache-dtype segment keeps its input as it is."""
+    the bf16 range, and a row whose codes fall exactly half-way between integers (rounded to even,
+    as torch.round does). A cache-dtype segment keeps its input as it is."""
     seed, gen = new_seed()
     D = 64
     keys, vals = make_keys(40, 2, D, gen)
@@ -28,6 +29,9 @@ def test_quantizer_matches_reference_bit_for_bit():
     vals[6, 0] = 0
     vals[6, 0, 7] = -3.0
     keys[7] *= 1e30
+    # max|x| = 127, so x * 127 / max|x| = x: the halves must round to even (half away gives 1, 3, -1, -3)
+    halves = torch.tensor([127.0, 0.5, 2.5, -0.5, -2.5, 1.5, -1.5, 126.5])
+    vals[9, 1] = halves.repeat(D // len(halves)).to(vals.dtype)
     vals[8] *= 1e-30
     W = torch.randn(D, 40, generator=gen)
     centre = keys.float().mean(0)
@@ -39,6 +43,7 @@ def test_quantizer_matches_reference_bit_for_bit():
         bound = x.float().abs().amax(-1, keepdim=True).double() / 254 + 1e-6 * x.double().abs()
         assert ((want - x.double()).abs() <= bound).all(), f"{name} (seed={seed})"
     assert (k8[3, 0] == 0).all() and v8[6, 0, 7] == -3.0 and (v8[6, 0].count_nonzero() == 1)
+    assert v8[9, 1, :8].tolist() == [127.0, 0.0, 2.0, -0.0, -2.0, 2.0, -2.0, 126.0]
     kc, vc = kx.build_segment(keys, vals, centre, W, 4, 10).rows()
     assert torch.equal(kc, keys.float()) and torch.equal(vc, vals.float())
 
