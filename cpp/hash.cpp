@@ -116,9 +116,9 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
 // tile of W (d x 64 bytes) is then read from L1 by every row group of the block.  Row groups
 // outermost (the AVX-512 path's order) stream all of W, d x K*L floats (384 KB at d = 64 and
 // K*L = 1500, 768 KB at d = 128: past this machine's 512 KB L2), once per group, and the hash ran
-// at a third of FMA peak, bound by those reads.  A group is 6 rows x 16 columns: 12 accumulators
-// (enough to hide the FMA latency; 8 were not), 2 W vectors and a broadcast, inside the 16 ymm
-// registers.  The signs go into the same little-endian bit rows (a byte per 8 columns) for
+// at a quarter of the FMA peak, bound by those reads.  A group is 6 rows x 16 columns: 12 accumulators
+// (more than the ~10 FMAs two FMA units keep in flight), 2 W vectors and a broadcast, inside the
+// 16 ymm registers.  The signs go into the same little-endian bit rows (a byte per 8 columns) for
 // pack_from_masks.
 MP_AVX2 inline uint8_t sign_bits(__m256 a) {  // bit j: lane j > 0
   return static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ)));
