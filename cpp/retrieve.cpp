@@ -78,26 +78,32 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   }
 }
 
+// The unit's dense tokens as row-major K and V tiles, a run of tokens inside one block at a time.
+// Where the cache keeps K column-major per block (vLLM's CPU layout: element j of the block's
+// tokens side by side), the run is read a column at a time, down contiguous memory, instead of one
+// strided element per (token, j): dense-only calls of 4K tokens took ~10% less (ad hoc, one core).
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch) {
-  const int d = args.d, nr = unit.end - unit.begin;
+  const int d = args.d, nr = unit.end - unit.begin, bs = args.block_size;
   scratch.ktile.resize(static_cast<size_t>(nr) * d);
   scratch.vtile.resize(static_cast<size_t>(nr) * d);
-  for (int i = 0; i < nr; ++i) {
-    const int p = unit.begin + i;
-    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / args.block_size];
-    const int64_t off = p % args.block_size;
-    const uint16_t* kr = args.kc + blk * args.ks[0] + off * args.ks[1] + unit.kvh * args.ks[2];
-    const uint16_t* vr = args.vc + blk * args.vs[0] + off * args.vs[1] + unit.kvh * args.vs[2];
-    uint16_t* kt = scratch.ktile.data() + static_cast<size_t>(i) * d;
-    uint16_t* vt = scratch.vtile.data() + static_cast<size_t>(i) * d;
-    if (args.ks[3] == 1)
-      std::memcpy(kt, kr, d * 2);
-    else
-      for (int j = 0; j < d; ++j) kt[j] = kr[j * args.ks[3]];
-    if (args.vs[3] == 1)
-      std::memcpy(vt, vr, d * 2);
-    else
-      for (int j = 0; j < d; ++j) vt[j] = vr[j * args.vs[3]];
+  auto copy_run = [d](const uint16_t* src, const int64_t* st, int run, uint16_t* dst) {
+    if (st[3] == 1) {  // row-major rows
+      for (int t = 0; t < run; ++t) std::memcpy(dst + static_cast<size_t>(t) * d, src + t * st[1], d * 2);
+    } else {
+      for (int j = 0; j < d; ++j) {
+        const uint16_t* col = src + j * st[3];
+        for (int t = 0; t < run; ++t) dst[static_cast<size_t>(t) * d + j] = col[t * st[1]];
+      }
+    }
+  };
+  for (int i = 0; i < nr;) {
+    const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
+    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
+    copy_run(args.kc + blk * args.ks[0] + off * args.ks[1] + unit.kvh * args.ks[2], args.ks, run,
+             scratch.ktile.data() + static_cast<size_t>(i) * d);
+    copy_run(args.vc + blk * args.vs[0] + off * args.vs[1] + unit.kvh * args.vs[2], args.vs, run,
+             scratch.vtile.data() + static_cast<size_t>(i) * d);
+    i += run;
   }
 }
 
