@@ -86,6 +86,7 @@ struct Rows {
   int stride;  // from one token's row to the next: 2d elements in a segment's K/V mirror, d in a tile,
                // int8_row_bytes(d) bytes in an int8 mirror
   bool seg;
+  bool scores_ready;  // dense tile whose q.k are already in scratch.scores (dense_scores_*): no K rows
   int off[MAXG + 1];
   const uint16_t* row(const uint16_t* base, int i) const {
     return base + static_cast<size_t>(idx ? idx[i] : i) * stride;
@@ -179,12 +180,21 @@ const float* corr_table(int K, int L);
 // Collects the union over the unit's heads of the keys with >= 2 table collisions into
 // scratch.list (ascending ids) and scratch.rmask, and each head's sample count into counts[g].
 void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* counts);
-// Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles.
-void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch);
+// Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles
+// (the V tile only when ``keys`` is false).
+void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys);
+// Whether the cache keeps K column-major per block (vLLM's CPU layout: a block's tokens side by
+// side for each element j), so dense_scores_* read a dense unit's q.k straight from it.
+inline bool keys_column_major(const AttnArgs& args) { return args.ks[1] == 1 && args.ks[3] != 1; }
+// q.k of the unit's G heads with its dense tokens, read from column-major K: head g's score of
+// token i into scratch.scores[g * n + i] (the compact layout attend reads for a dense tile), 8
+// tokens per vector and no K tile.  The scalar twin sums each score in the same order, j = 0..d-1.
+void dense_scores_scalar(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch);
 
 void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                    const float* neg_log_u_table);
 #if defined(__x86_64__)
+void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch);
 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                  const float* neg_log_u_table);
 // isa is Avx512 or Avx512Bf16 (the bf16 dot for q.k).

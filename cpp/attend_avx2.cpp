@@ -42,6 +42,40 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
   }
 }
 
+// Heads in fours, so a K vector (8 tokens' element j) serves four FMAs; a group past the last
+// head repeats it and drops those sums.  A run's last < 8 tokens go one at a time, as the twin.
+MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
+  const int d = args.d, G = heads.G, nr = unit.end - unit.begin, bs = args.block_size;
+  const int64_t kj = args.ks[3];
+  scratch.scores.resize(static_cast<size_t>(G) * nr);
+  float* s = scratch.scores.data();
+  for (int i = 0; i < nr;) {
+    const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
+    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
+    const uint16_t* kb = args.kc + blk * args.ks[0] + off + unit.kvh * args.ks[2];
+    int t = 0;
+    for (; t + 8 <= run; t += 8)
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const float* q[4];
+        for (int g = 0; g < 4; ++g) q[g] = heads.q[std::min(g0 + g, G - 1)];
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int j = 0; j < d; ++j) {
+          const __m256 k = load8(kb + j * kj + t, args.dtype);
+          for (int g = 0; g < 4; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[g] + j), k, acc[g]);
+        }
+        for (int g = 0; g < std::min(4, G - g0); ++g)
+          _mm256_storeu_ps(s + static_cast<size_t>(g0 + g) * nr + i + t, acc[g]);
+      }
+    for (; t < run; ++t)
+      for (int g = 0; g < G; ++g) {
+        float qk = 0.f;
+        for (int j = 0; j < d; ++j) qk += heads.q[g][j] * to_f(kb[j * kj + t], args.dtype);
+        s[static_cast<size_t>(g) * nr + i + t] = qk;
+      }
+    i += run;
+  }
+}
+
 MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                          const float* neg_log_u_table) {
   const int d = args.d, G = heads.G, n = rows.n;
@@ -50,7 +84,7 @@ MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& he
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   PhaseTimer pt;
-  qk_avx2(args, rows, heads, scratch);
+  if (!rows.scores_ready) qk_avx2(args, rows, heads, scratch);
 
   // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over
   // its compact entries, 8 at a time.

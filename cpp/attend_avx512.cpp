@@ -74,10 +74,13 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   PhaseTimer pt;
-  if (isa == Isa::Avx512Bf16 && !rows.kv8)  // the bf16 dot reads 16-bit rows in place
+  if (rows.scores_ready) {
+    // q.k of a dense tile came from dense_scores_avx2
+  } else if (isa == Isa::Avx512Bf16 && !rows.kv8) {  // the bf16 dot reads 16-bit rows in place
     qk_avx512bf16(args, rows, heads, scratch);
-  else
+  } else {
     qk_avx512(args, rows, heads, scratch);
+  }
 
   // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over
   // its compact entries, 16 at a time.

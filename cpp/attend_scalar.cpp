@@ -69,6 +69,24 @@ inline float correction(float qk, float qn, float qdc, float knorm, const float*
 
 }  // namespace
 
+void dense_scores_scalar(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
+  const int d = args.d, G = heads.G, nr = unit.end - unit.begin, bs = args.block_size;
+  scratch.scores.resize(static_cast<size_t>(G) * nr);
+  float* s = scratch.scores.data();
+  for (int i = 0; i < nr;) {  // a run of tokens inside one block at a time
+    const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
+    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
+    const uint16_t* kb = args.kc + blk * args.ks[0] + off + unit.kvh * args.ks[2];
+    for (int t = 0; t < run; ++t)
+      for (int g = 0; g < G; ++g) {
+        float qk = 0.f;
+        for (int j = 0; j < d; ++j) qk += heads.q[g][j] * to_f(kb[j * args.ks[3] + t], args.dtype);
+        s[static_cast<size_t>(g) * nr + i + t] = qk;
+      }
+    i += run;
+  }
+}
+
 void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                    const float* neg_log_u_table) {
   const int d = args.d, G = heads.G, n = rows.n;
@@ -84,7 +102,7 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   // row's |k - c| beside it for segments.
   int pos[MAXG];
   std::copy(rows.off, rows.off + G, pos);
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < (rows.scores_ready ? 0 : n); ++i) {
     if (rows.kv8) {
       int8_to_f32(int8_key(rows.row8(i)), row, d);
     } else {

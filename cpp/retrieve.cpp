@@ -82,9 +82,9 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 // Where the cache keeps K column-major per block (vLLM's CPU layout: element j of the block's
 // tokens side by side), the run is read a column at a time, down contiguous memory, instead of one
 // strided element per (token, j): dense-only calls of 4K tokens took ~10% less (ad hoc, one core).
-void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch) {
+void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
   const int d = args.d, nr = unit.end - unit.begin, bs = args.block_size;
-  scratch.ktile.resize(static_cast<size_t>(nr) * d);
+  if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
   scratch.vtile.resize(static_cast<size_t>(nr) * d);
   auto copy_run = [d](const uint16_t* src, const int64_t* st, int run, uint16_t* dst) {
     if (st[3] == 1) {  // row-major rows
@@ -99,8 +99,9 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch) {
   for (int i = 0; i < nr;) {
     const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
     const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
-    copy_run(args.kc + blk * args.ks[0] + off * args.ks[1] + unit.kvh * args.ks[2], args.ks, run,
-             scratch.ktile.data() + static_cast<size_t>(i) * d);
+    if (keys)
+      copy_run(args.kc + blk * args.ks[0] + off * args.ks[1] + unit.kvh * args.ks[2], args.ks, run,
+               scratch.ktile.data() + static_cast<size_t>(i) * d);
     copy_run(args.vc + blk * args.vs[0] + off * args.vs[1] + unit.kvh * args.vs[2], args.vs, run,
              scratch.vtile.data() + static_cast<size_t>(i) * d);
     i += run;

@@ -199,10 +199,24 @@ int64_t sparse_decode(const AttnArgs& in) {
       rows.seg = true;
       pt.tick(kPhaseLookup);
     } else {
-      gather_dense(args, unit, scratch);
+      // Column-major K (vLLM's CPU cache): q.k straight from the cache, 8 tokens a vector, and
+      // only V copied to a tile.  A K tile of such a cache is a transpose, one strided element per
+      // (token, j), which with the per-row dot products made an exact tail token cost ~4x what
+      // vLLM's own kernel spends on it.
+      const bool direct = keys_column_major(args);
+      gather_dense(args, unit, scratch, !direct);
       rows.n = unit.end - unit.begin;
+      if (direct) {
+#if defined(__x86_64__)
+        if (isa >= Isa::Avx2)
+          dense_scores_avx2(args, unit, heads, scratch);
+        else
+#endif
+          dense_scores_scalar(args, unit, heads, scratch);
+        rows.scores_ready = true;
+      }
       scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
-      rows.kb = scratch.ktile.data();
+      rows.kb = direct ? nullptr : scratch.ktile.data();
       rows.vb = scratch.vtile.data();
       rows.stride = args.d;
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order

@@ -16,6 +16,7 @@ import torch
 
 from vllm_magicpig import kernel as kx
 from vllm_magicpig.eval import reference as ref
+from vllm_magicpig.kv_layout import FlashLayout
 
 from helpers import to_paged
 
@@ -50,7 +51,7 @@ class Case:
     """One batch: per request a context, a covered range split into segments, and dense ranges."""
 
     def __init__(self, gen, lens, hkv, G, D, K, L, dtype=torch.bfloat16, seg_sizes=None, sink=4,
-                 window=16, block_size=16, qdtype=None, query_scale=1.0, mirror="cache"):
+                 window=16, block_size=16, qdtype=None, query_scale=1.0, mirror="cache", layout=None):
         self.gen, self.hkv, self.H, self.D, self.K, self.L = gen, hkv, hkv * G, D, K, L
         self.mirror = mirror
         self.scale = D ** -0.5
@@ -74,7 +75,7 @@ class Case:
             self.ranges.append([[0, a], [p, n]])
             self.covered.append(cov)
             self.centres.append(centre)
-        self.kview, self.vview, self.bt, self._cache = to_paged(self.ctx, block_size, generator=gen)
+        self.kview, self.vview, self.bt, self._cache = to_paged(self.ctx, block_size, generator=gen, layout=layout)
         self.dense_ranges = torch.tensor(self.ranges, dtype=torch.int32)
         qd = qdtype or dtype
         self.query = (torch.randn(len(lens), self.H, D, generator=gen) * query_scale).to(qd)
@@ -83,14 +84,15 @@ class Case:
         self.qdc = torch.stack([(self.query[r].double() * self.centres[r].double()[kvh]).sum(-1)
                                 for r in range(len(lens))]).float()
 
-    def run(self, force_scalar, segs=None):
+    def run(self, force_scalar, segs=None, num_threads=None):
         R = len(self.ctx)
         out = torch.full((R, self.H, self.D), float("nan"), dtype=self.query.dtype)
         lse = torch.full((R, self.H), float("nan"))
         cnt = torch.full((R, self.H), -7, dtype=torch.int64)
         kx.sparse_decode_attention(self.query, self.qcodes, self.qdc, segs or self.segs, self.kview, self.vview,
                                    block_table=self.bt, dense_ranges=self.dense_ranges, scale=self.scale, K=self.K,
-                                   L=self.L, out=out, lse=lse, sampled_counts=cnt, force_scalar=force_scalar)
+                                   L=self.L, out=out, lse=lse, sampled_counts=cnt, force_scalar=force_scalar,
+                                   num_threads=num_threads)
         return out, lse, cnt
 
     def reference(self, r):
@@ -112,8 +114,8 @@ class Case:
                                       kcodes=kcodes, query_dot_centre=self.qdc[r])
 
 
-def check_case(case, seed, force_scalar, tag=""):
-    out, lse, cnt = case.run(force_scalar)
+def check_case(case, seed, force_scalar, tag="", num_threads=None):
+    out, lse, cnt = case.run(force_scalar, num_threads=num_threads)
     msg = f"seed={seed} force_scalar={force_scalar} {tag}"
     assert not torch.isnan(out).any(), msg
     for r in range(len(case.ctx)):
@@ -226,6 +228,28 @@ def test_estimator_matches_reference(name, force_scalar):
     lens, hkv, G, D, K, L, extra = CONFIGS[name]
     case = Case(gen, lens, hkv, G, D, K, L, **extra)
     check_case(case, seed, force_scalar, name)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_row_major_cache_matches_reference(name, force_scalar):
+    """The same estimator over a cache that keeps K row-major (the CUDA layout's views): dense
+    tokens then go through K tiles instead of the column-major q.k the CPU layout gets."""
+    seed, gen = new_seed()
+    lens, hkv, G, D, K, L, extra = CONFIGS[name]
+    case = Case(gen, lens, hkv, G, D, K, L, layout=FlashLayout(), **extra)
+    assert case.kview.stride(-1) == 1  # K rows contiguous: not the column-major path
+    check_case(case, seed, force_scalar, f"{name} row-major K")
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c[2] > 4])
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_one_thread_whole_head_groups_match_reference(name, force_scalar):
+    """On one thread a unit keeps all of a KV head's query heads (up to 16), where more threads
+    split them to balance: the paths' loops over heads in fours (dense q.k) then run past the first four."""
+    seed, gen = new_seed()
+    lens, hkv, G, D, K, L, extra = CONFIGS[name]
+    check_case(Case(gen, lens, hkv, G, D, K, L, **extra), seed, force_scalar, f"{name} one thread", num_threads=1)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
