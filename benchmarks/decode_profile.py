@@ -7,7 +7,8 @@ MAGICPIG is timed as the backend runs it (``SparseLayer.begin`` + ``forward``: i
 lookups, then one native call that hashes the queries, computes q.c and attends) and split
 into that call and the Python around it, so a gap to the end-to-end target can be traced to
 Python overhead or kernel time. "hash ms" times ``kernel.hash_codes`` of the same queries
-alone, for scale: the call does that hashing inside. Keys are
+alone, for scale: the call does that hashing inside. "Its exact part alone" is the same call
+with the sinks and the tail only (no segments), beside vLLM's kernel over as many tokens. Keys are
 synthetic (a common offset, as real models have, plus noise); the sampled fraction
 is printed next to every time.
 """
@@ -114,9 +115,24 @@ def run(ctx: int, batch: int, K: int, L: int):
         q, proj, centres, segs, kv.key, kv.value, block_table=bt, dense_ranges=plan.dense_ranges,
         scale=layer.ctx.scale, K=K, L=L, out=out, sampled_counts=cnt, check_values=False))  # as ops calls it
     frac = cnt.double().sum().item() / (sum(plan.covered.values()) * H)
+    # The exact part of the same decode alone (sinks and tail, no segments), beside vLLM's kernel
+    # over as many tokens per request: what an exact token costs in each.
+    tail = int((plan.dense_ranges[:, :, 1] - plan.dense_ranges[:, :, 0]).sum(-1).max())
+    t_tail = med(lambda: kernel.magicpig_decode_attention(
+        q, proj, [None] * batch, [[] for _ in range(batch)], kv.key, kv.value, block_table=bt,
+        dense_ranges=plan.dense_ranges, scale=layer.ctx.scale, K=K, L=L, out=out, check_values=False))
+    seq_tail = torch.full((batch,), tail, dtype=torch.int32)
+    sched_tail = ops.cpu_attn_get_scheduler_metadata(num_reqs=batch, num_heads=H, num_kv_heads=HKV, head_dim=D,
+                                                     seq_lens=seq_tail, dtype=torch.bfloat16, query_start_loc=qsl,
+                                                     causal=True, sliding_window_size=-1, isa="vec",
+                                                     enable_kv_split=True)
+    t_tail_vllm = med(lambda: ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=seq_tail, scale=D ** -0.5,
+        causal=True, alibi_slopes=None, sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched_tail,
+        s_aux=None))
     return dict(context=ctx, batch=batch, exact_ms=t_exact, magicpig_layer_ms=t_layer, plan_ms=t_plan,
                 hash_ms=t_hash, kernel_call_ms=t_kernel_wrapped, python_ms=t_layer - t_kernel_wrapped,
-                sampled=frac, build_ms=build_ms)
+                sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm)
 
 
 def main(argv=None):
@@ -128,15 +144,16 @@ def main(argv=None):
     a = ap.parse_args(argv)
     print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} K={a.K} L={a.L}")
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
-          "one-call kernel ms (hashing included) | other python ms | sampled | index build ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
+          "exact tokens a request | its exact part alone ms (vLLM's kernel, as many tokens) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for ctx in [int(x) for x in a.contexts.split(",")]:
         for b in [int(x) for x in a.batches.split(",")]:
             r = run(ctx, b, a.K, a.L)
             print(f"| {ctx} | {b} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
                   f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['plan_ms']:.3f} | {r['hash_ms']:.3f} | "
-                  f"{r['kernel_call_ms']:.3f} | {r['python_ms']:.3f} | {r['sampled']:.2%} | {r['build_ms']:.0f} |",
-                  flush=True)
+                  f"{r['kernel_call_ms']:.3f} | {r['python_ms']:.3f} | {r['sampled']:.2%} | {r['build_ms']:.0f} | "
+                  f"{r['tail_tokens']} | {r['tail_ms']:.3f} ({r['tail_vllm_ms']:.3f}) |", flush=True)
 
 
 if __name__ == "__main__":
