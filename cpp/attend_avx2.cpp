@@ -76,6 +76,39 @@ MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Hea
   }
 }
 
+// The V pass of a dense tile, where every head weighs every row (head g's weights are the compact
+// entries g * n ..): the accumulators of 4 heads x 16 dimensions stay in registers down the whole
+// tile, instead of a load and a store of acc per (row, head) as in the masked pass below.  A group
+// past the last head repeats it and drops those sums.  Each acc[g][j] still sums p * v over the rows
+// in order; a zero weight adds 0 * v, which is what skipping it gives for finite values.
+MP_AVX2 static void dense_values_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads,
+                                      const Scratch& scratch, Partial part) {
+  const int d = args.d, G = heads.G, n = rows.n;
+  const float* sc = scratch.scores.data();
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* p[4];
+    for (int g = 0; g < 4; ++g) p[g] = sc + rows.off[std::min(g0 + g, G - 1)];
+    for (int j0 = 0; j0 < d; j0 += 16) {
+      __m256 acc[4][2];
+      for (int g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+      for (int i = 0; i < n; ++i) {
+        const uint16_t* vr = rows.row(rows.vb, i) + j0;
+        const __m256 v0 = load8(vr, args.dtype), v1 = load8(vr + 8, args.dtype);
+        for (int g = 0; g < 4; ++g) {
+          const __m256 w = _mm256_broadcast_ss(p[g] + i);
+          acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+        }
+      }
+      for (int g = 0; g < std::min(4, G - g0); ++g) {
+        float* a = part.acc + static_cast<size_t>(g0 + g) * d + j0;
+        _mm256_storeu_ps(a, acc[g][0]);
+        _mm256_storeu_ps(a + 8, acc[g][1]);
+      }
+    }
+  }
+}
+
 MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                          const float* neg_log_u_table) {
   const int d = args.d, G = heads.G, n = rows.n;
@@ -141,6 +174,11 @@ MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& he
   }
   pt.tick(kPhaseGatherLogits);
 
+  if (!rows.seg && !rows.kv8) {  // a dense tile: every head attends every row
+    dense_values_avx2(args, rows, heads, scratch, part);
+    pt.tick(kPhaseSoftmaxV);
+    return;
+  }
   // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
   std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
   float* vf = scratch.row_f32.data();
