@@ -5,6 +5,7 @@
 // A unit is (request, KV head, group of <= MAXG query heads, one segment or one dense chunk).  It
 // collects its rows (retrieve or gather_dense), then attends: q.k -> logits and softmax -> V
 // accumulation, leaving a partial (max, sum, acc) per head that the driver merges by log-sum-exp.
+// A dense chunk of a cache with column-major K gets its q.k from dense_scores_* instead of K rows.
 #pragma once
 #include <algorithm>
 #include <chrono>

@@ -79,9 +79,9 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 }
 
 // The unit's dense tokens as row-major K and V tiles, a run of tokens inside one block at a time.
-// Where the cache keeps K column-major per block (vLLM's CPU layout: element j of the block's
-// tokens side by side), the run is read a column at a time, down contiguous memory, instead of one
-// strided element per (token, j): dense-only calls of 4K tokens took ~10% less (ad hoc, one core).
+// Rows that are not contiguous in the cache (a column-major K whose q.k is not read in place by
+// dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
+// element per (token, j).
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
   const int d = args.d, nr = unit.end - unit.begin, bs = args.block_size;
   if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
