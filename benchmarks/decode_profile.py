@@ -1,7 +1,7 @@
 """Where one layer's decode time goes: MAGICPIG's whole per-layer path against vLLM's
 CPU decode kernel on the same paged cache, for SmolLM2's shape (3 KV heads x 3).
 
-    python benchmarks/decode_profile.py [--contexts 4096,16384] [--batches 1,4]
+    python benchmarks/decode_profile.py [--contexts 4096,16384] [--batches 1,4] [--tree DIR]
 
 MAGICPIG is timed as the backend runs it (``SparseLayer.begin`` + ``forward``: index
 lookups, then one native call that hashes the queries, computes q.c and attends) and split
@@ -11,6 +11,10 @@ alone, for scale: the call does that hashing inside. "Its exact part alone" is t
 with the sinks and the tail only (no segments), beside vLLM's kernel over as many tokens. Keys are
 synthetic (a common offset, as real models have, plus noise); the sampled fraction
 is printed next to every time.
+
+``--tree DIR`` times the vllm_magicpig of another checkout with its extension built (a git
+worktree of an earlier commit, say) with this script's timings; run it and the default in turn
+to compare two commits through the machine's drift.
 """
 from __future__ import annotations
 
@@ -22,7 +26,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+def timed_tree() -> Path:
+    """The checkout whose vllm_magicpig is timed: this one, or ``--tree DIR`` (read before the
+    imports below, which it decides)."""
+    args = sys.argv[1:]
+    if "--tree" in args[:-1]:
+        return Path(args[args.index("--tree") + 1]).resolve()
+    return Path(__file__).resolve().parents[1]
+
+
+TREE = timed_tree()
+sys.path.insert(0, str(TREE))
 from vllm_magicpig import kernel  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig  # noqa: E402
 from vllm_magicpig.decode_methods import LayerContext  # noqa: E402
@@ -141,8 +156,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--K", type=int, default=10)
     ap.add_argument("--L", type=int, default=150)
+    ap.add_argument("--tree", type=Path, default=None, help="another built checkout to time (module docs)")
     a = ap.parse_args(argv)
-    print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} K={a.K} L={a.L}")
+    print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} K={a.K} L={a.L} tree={TREE}")
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
           "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
           "exact tokens a request | its exact part alone ms (vLLM's kernel, as many tokens) |")
