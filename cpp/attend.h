@@ -178,6 +178,26 @@ double sample_prob(double cs, int K, int L);
 // once per (K, L) and kept for the process.
 const float* corr_table(int K, int L);
 
+// The run of a dense unit's tokens that starts at its i-th token and stays inside one block: its
+// length, the physical block and the offset of its first token there.  gather_dense and
+// dense_scores_* walk a unit run by run.
+struct BlockRun {
+  int run, off;
+  int64_t blk;
+};
+inline BlockRun block_run(const AttnArgs& args, const Unit& unit, int i) {
+  const int p = unit.begin + i, bs = args.block_size, off = p % bs;
+  return {std::min(unit.end - p, bs - off), off,
+          args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs]};
+}
+// q . k of token t of a column-major K run (element j at kb[j * kj + t]), summed in float for
+// j = 0..d-1: dense_scores_scalar's score, and dense_scores_avx2's for a run's last < 8 tokens.
+inline float column_dot(const float* q, const uint16_t* kb, int64_t kj, int t, int d, int dtype) {
+  float qk = 0.f;
+  for (int j = 0; j < d; ++j) qk += q[j] * to_f(kb[j * kj + t], dtype);
+  return qk;
+}
+
 // Collects the union over the unit's heads of the keys with >= 2 table collisions into
 // scratch.list (ascending ids) and scratch.rmask, and each head's sample count into counts[g].
 void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* counts);

@@ -45,14 +45,14 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
 // Heads in fours, so a K vector (8 tokens' element j) serves four FMAs; a group past the last
 // head repeats it and drops those sums.  A run's last < 8 tokens go one at a time, as the twin.
 MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
-  const int d = args.d, G = heads.G, nr = unit.end - unit.begin, bs = args.block_size;
+  const int d = args.d, G = heads.G, nr = unit.end - unit.begin;
   const int64_t kj = args.ks[3];
   scratch.scores.resize(static_cast<size_t>(G) * nr);
   float* s = scratch.scores.data();
-  for (int i = 0; i < nr;) {
-    const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
-    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
-    const uint16_t* kb = args.kc + blk * args.ks[0] + off + unit.kvh * args.ks[2];
+  for (int i = 0, run; i < nr; i += run) {
+    const BlockRun b = block_run(args, unit, i);
+    run = b.run;
+    const uint16_t* kb = args.kc + b.blk * args.ks[0] + b.off + unit.kvh * args.ks[2];
     int t = 0;
     for (; t + 8 <= run; t += 8)
       for (int g0 = 0; g0 < G; g0 += 4) {
@@ -67,12 +67,8 @@ MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Hea
           _mm256_storeu_ps(s + static_cast<size_t>(g0 + g) * nr + i + t, acc[g]);
       }
     for (; t < run; ++t)
-      for (int g = 0; g < G; ++g) {
-        float qk = 0.f;
-        for (int j = 0; j < d; ++j) qk += heads.q[g][j] * to_f(kb[j * kj + t], args.dtype);
-        s[static_cast<size_t>(g) * nr + i + t] = qk;
-      }
-    i += run;
+      for (int g = 0; g < G; ++g)
+        s[static_cast<size_t>(g) * nr + i + t] = column_dot(heads.q[g], kb, kj, t, d, args.dtype);
   }
 }
 

@@ -70,20 +70,16 @@ inline float correction(float qk, float qn, float qdc, float knorm, const float*
 }  // namespace
 
 void dense_scores_scalar(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
-  const int d = args.d, G = heads.G, nr = unit.end - unit.begin, bs = args.block_size;
+  const int G = heads.G, nr = unit.end - unit.begin;
   scratch.scores.resize(static_cast<size_t>(G) * nr);
   float* s = scratch.scores.data();
-  for (int i = 0; i < nr;) {  // a run of tokens inside one block at a time
-    const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
-    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
-    const uint16_t* kb = args.kc + blk * args.ks[0] + off + unit.kvh * args.ks[2];
+  for (int i = 0, run; i < nr; i += run) {
+    const BlockRun b = block_run(args, unit, i);
+    run = b.run;
+    const uint16_t* kb = args.kc + b.blk * args.ks[0] + b.off + unit.kvh * args.ks[2];
     for (int t = 0; t < run; ++t)
-      for (int g = 0; g < G; ++g) {
-        float qk = 0.f;
-        for (int j = 0; j < d; ++j) qk += heads.q[g][j] * to_f(kb[j * args.ks[3] + t], args.dtype);
-        s[static_cast<size_t>(g) * nr + i + t] = qk;
-      }
-    i += run;
+      for (int g = 0; g < G; ++g)
+        s[static_cast<size_t>(g) * nr + i + t] = column_dot(heads.q[g], kb, args.ks[3], t, args.d, args.dtype);
   }
 }
 

@@ -83,7 +83,7 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 // dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
 // element per (token, j).
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
-  const int d = args.d, nr = unit.end - unit.begin, bs = args.block_size;
+  const int d = args.d, nr = unit.end - unit.begin;
   if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
   scratch.vtile.resize(static_cast<size_t>(nr) * d);
   auto copy_run = [d](const uint16_t* src, const int64_t* st, int run, uint16_t* dst) {
@@ -96,15 +96,14 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
       }
     }
   };
-  for (int i = 0; i < nr;) {
-    const int p = unit.begin + i, off = p % bs, run = std::min(nr - i, bs - off);
-    const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs];
+  for (int i = 0, run; i < nr; i += run) {
+    const BlockRun b = block_run(args, unit, i);
+    run = b.run;
     if (keys)
-      copy_run(args.kc + blk * args.ks[0] + off * args.ks[1] + unit.kvh * args.ks[2], args.ks, run,
+      copy_run(args.kc + b.blk * args.ks[0] + b.off * args.ks[1] + unit.kvh * args.ks[2], args.ks, run,
                scratch.ktile.data() + static_cast<size_t>(i) * d);
-    copy_run(args.vc + blk * args.vs[0] + off * args.vs[1] + unit.kvh * args.vs[2], args.vs, run,
+    copy_run(args.vc + b.blk * args.vs[0] + b.off * args.vs[1] + unit.kvh * args.vs[2], args.vs, run,
              scratch.vtile.data() + static_cast<size_t>(i) * d);
-    i += run;
   }
 }
 
