@@ -97,6 +97,41 @@ def test_budget_mode_builds_at_the_first_decode(vllm_env):  # noqa: F811
     assert h.stats()["index"].get("background_jobs", 0) == 0
 
 
+def test_a_build_tells_the_cost_model_its_cost(vllm_env):  # noqa: F811
+    """What an index costs is measured from this worker's builds (background and at a decode)."""
+    h = _prefilled(vllm_env, [3000])
+    h.step()
+    h.step()  # installs: the job's tokens x layers and its CPU time reach the cost model
+    build = h.runtime.cost.build
+    indexed = h.stats()["index"]["tokens_indexed"]
+    assert build.builds == 1 and build._tokens == indexed > 2500, (build._tokens, indexed)
+    assert 0 < build._seconds <= h.stats()["build_seconds"] * 2 + 0.05  # CPU time x threads, not wall time
+    sync = harness(vllm_env, BatchSpec([3000], [1]), K=1, L=64)  # built at the first decode
+    sync.step()
+    assert sync.runtime.cost.build.builds == len(sync.runtime.index._segments) >= 1
+
+
+def test_a_new_prompts_index_waits_until_its_exact_decodes_would_have_paid_for_it(vllm_env):  # noqa: F811
+    """With measured costs that make the build worth 2.5 steps of savings, the first two decodes
+    are served exactly by the platform kernel (``index_deferred``), the third submits the build."""
+    h = _prefilled(vllm_env, [3000])
+    cost = h.runtime.cost  # the planner's: synthetic timings, seconds where real ones are milliseconds
+    for keys in range(1000, 100_000, 500):
+        cost.observe_exact(1, keys, 0.5 + keys * 1e-6)
+        cost.observe_sparse(1, keys, keys * 1e-6)  # sampling saves 0.5 s a step
+    cost.observe_build(3000, 3000 * 1.25 / 3000)  # 1.25 s for a 3000-token prompt: 2.5 steps' savings
+    for _ in range(2):
+        out, ref, meta = h.step()
+        assert meta.sparse_plan.exact_reason == {0: "index_deferred"} and torch.equal(out, ref)
+    assert h.stats()["index"].get("background_jobs", 0) == 0
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {0: "indexing"}
+    out, ref, meta = h.step()
+    assert meta.sparse_plan.sparse == [0] and rel_err(out[0], ref[0]) < 2e-2
+    st = h.stats()
+    assert st["decode_exact"] == {"index_deferred": 2, "indexing": 1} and st["decode_sparse"] == 1, st
+
+
 @pytest.mark.e2e
 def test_engine_serves_exactly_while_indexing_then_samples(model_path):
     llm = make_llm(model_path, magicpig={"log_stats_interval": 0, "background_index": True})

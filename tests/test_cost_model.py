@@ -4,6 +4,7 @@ it at the vLLM seam. Timings here are synthetic (the fit is deterministic), exce
 test, which checks only that real timings arrive."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -111,3 +112,89 @@ def test_config_switch():
 
     with pytest.raises(MagicPigConfigError, match="'cost_model' must be true or false"):
         parse_config({"magicpig": {"cost_model": "no"}})
+
+
+# --------------------------------------------------------------------------- whether an index pays
+
+BUILD_PER_TOKEN = 3e-6  # seconds to index one token in one layer (synthetic)
+
+
+def measured(build_per_token=BUILD_PER_TOKEN) -> DecodeCostModel:
+    m = trained()
+    m.observe_build(4096, 4096 * build_per_token)
+    return m
+
+
+def steps_until_built(m: DecodeCostModel, cid: int, context: int, limit: int = 10_000) -> int:
+    """Decode steps over prompt ``cid`` served before its build starts (the last one builds)."""
+    for step in range(1, limit + 1):
+        if m.index_pays(cid, context):
+            return step
+    raise AssertionError(f"not built in {limit} steps")
+
+
+@pytest.mark.parametrize("context", [3000, 8192, 65536])
+def test_a_prompt_is_built_once_its_exact_decodes_would_have_saved_the_build(context):
+    m = measured()
+    exact, sparse = m.predicted(context)
+    build = BUILD_PER_TOKEN * context
+    expected = build / (exact - sparse)  # steps of savings that add up to the build
+    assert abs(expected - round(expected)) > 0.01, "keep the crossing away from an integer"
+    assert steps_until_built(m, cid=1, context=context) == math.ceil(expected)
+    assert m.snapshot()["deferred_prompts"] == 0  # the account closes when the build starts
+    assert m.snapshot()["build_ms_per_1k_tokens"] == pytest.approx(BUILD_PER_TOKEN * 1e6)
+
+
+def test_requests_over_the_same_prompt_share_its_account():
+    m = measured()
+    alone = steps_until_built(measured(), cid=1, context=8192)
+    assert alone >= 4
+    paid = []
+    for _ in range(alone - 1):  # two requests over prompt 7 each step (until built), one over prompt 8
+        for _ in range(2):
+            if True not in paid:
+                paid.append(m.index_pays(7, 8192))
+        m.index_pays(8, 8192)
+    assert paid.index(True) == alone - 1  # in about half the steps: the two paid together
+    assert m.snapshot()["deferred_prompts"] == 1  # prompt 8 still waits
+
+
+def test_built_at_once_until_the_decode_and_build_costs_are_measured():
+    assert DecodeCostModel().index_pays(1, 65536)  # nothing measured
+    assert trained().index_pays(1, 65536)  # decodes measured, no build yet
+    m = DecodeCostModel(min_steps=16)
+    m.observe_build(4096, 1.0)  # a build measured, decodes not
+    assert m.index_pays(1, 65536)
+
+
+def test_a_prompt_sampling_saves_nothing_on_is_never_built():
+    m = measured()
+    assert m.predicted(500)[1] > m.predicted(500)[0]  # below the crossover
+    assert not any(m.index_pays(1, 500) for _ in range(1000))
+
+
+def test_the_build_cost_follows_this_workers_builds():
+    m = measured()
+    for _ in range(400):  # builds became 4x dearer (a loaded machine): forgetting follows
+        m.observe_build(1024, 1024 * 4 * BUILD_PER_TOKEN)
+    assert m.build.per_token() == pytest.approx(4 * BUILD_PER_TOKEN, rel=0.05)
+    m.observe_build(0, 1.0)  # an empty build tells nothing
+    assert m.build.per_token() == pytest.approx(4 * BUILD_PER_TOKEN, rel=0.05)
+
+
+def test_planner_defers_a_new_prompts_index_until_it_pays():
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    index = IndexStore(Stats(), cfg.segment_tokens)
+    m = measured()
+    planner = StepPlanner(cfg, 16, index, cost=m)
+    seq = torch.tensor([8192], dtype=torch.int32)
+    table = torch.arange(520, dtype=torch.int32).view(1, 520)
+    expected = steps_until_built(measured(), cid=1, context=8192)
+    reasons = [planner.plan(FakeCam(seq, table), 1, StepSettings.from_config(cfg)).exact_reason.get(0)
+               for _ in range(expected)]
+    assert reasons == ["index_deferred"] * (expected - 1) + [None], reasons  # the last step builds
+    # a prompt with an index is never deferred: no account is opened for it
+    (cid,) = index._centre_specs
+    index._keys_by_cid[cid] = {("layer", None)}  # as if a layer held one of its segments
+    assert planner.plan(FakeCam(seq, table), 1, StepSettings.from_config(cfg)).sparse == [0]
+    assert m.snapshot()["deferred_prompts"] == 0

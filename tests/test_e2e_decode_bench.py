@@ -101,3 +101,14 @@ def test_sparse_time_and_dense_layers_per_step_come_from_the_counters():
     # 10 steps of batch 2 over 4 layers (3 sparse, 1 dense): 12 ms of sparse layers a step
     assert e2e_decode.sparse_ms_per_step(st, batch=2, layers=4) == 12.0
     assert e2e_decode.dense_layers_per_step(st, batch=2, layers=4) == 1.0
+
+
+def test_warm_up_waits_while_the_index_is_building_or_deferred():
+    def st(deferred=0, jobs=0, installed=0):
+        return {"decode_exact": {"index_deferred": deferred} if deferred else {},
+                "index": {"background_jobs": jobs, "background_installed": installed}}
+
+    assert e2e_decode._waiting(st(), st(deferred=30))  # the run's decodes were deferred
+    assert e2e_decode._waiting(st(deferred=30), st(deferred=30, jobs=1))  # paid: now building
+    assert not e2e_decode._waiting(st(deferred=30, jobs=1), st(deferred=30, jobs=1, installed=1))  # sampled
+    assert not e2e_decode._waiting(st(), st())

@@ -61,6 +61,7 @@ class IndexJob:
     # filled by the background thread
     built: list[tuple[str, tuple, torch.Tensor, list[tuple[SegmentRef, Any]]]] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # what the job took from the cores: its CPU time, its team's included
     error: BaseException | None = None
 
 
@@ -96,6 +97,10 @@ class BackgroundIndexer:
         """Whether requests under ``settings`` are indexed in the background (budget mode chooses
         (K, L) from the first decode's query, so it builds then)."""
         return self.enabled and settings.target_cost is None and settings.method == decode_methods.MAGICPIG
+
+    def tracks(self, cid: int) -> bool:
+        """Whether prompt ``cid``'s index is being built here, or was installed (or failed) here."""
+        return cid in self._pending or cid in self._installed
 
     def ready(self, spec: CentreSpec, refs: list[SegmentRef], settings: Any) -> bool:
         """True when the request can be sampled now; else its index is (now) being built."""
@@ -133,6 +138,8 @@ class BackgroundIndexer:
                 continue  # forgotten meanwhile (clear)
             del self._pending[cid]
             self.stats.build_seconds += job.seconds
+            if job.error is None and self.index.on_build is not None:  # its cost, installed or not
+                self.index.on_build(sum(ref.num_tokens for ref in job.refs) * len(job.built), job.cpu_seconds)
             if job.error is not None:
                 logger.warning("MAGICPIG background indexing failed (%r); the request's index is built at its "
                                "next decode instead", job.error)
@@ -189,7 +196,10 @@ class BackgroundIndexer:
 
 
 def _run(job: IndexJob, ops: Any, build: Callable[..., Any]) -> None:
-    t0 = time.perf_counter()
+    # Sharing the worker's cores, the build's wall time counts the engine's turns too; its CPU
+    # time is what it took from them. This thread is one of the kernel's ``threads`` OpenMP
+    # threads, which share the work evenly.
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
         for lj in job.layers:
             centring = decode_methods.get_centring(lj.centering)
@@ -200,3 +210,4 @@ def _run(job: IndexJob, ops: Any, build: Callable[..., Any]) -> None:
     except BaseException as e:  # reported on the engine thread, which then builds synchronously
         job.error = e
     job.seconds = time.perf_counter() - t0
+    job.cpu_seconds = (time.thread_time() - c0) * max(job.threads, 1)

@@ -75,8 +75,10 @@ class MagicPigConfig:
     """Seed of the shared Gaussian projection; same seed, same tokens."""
     cost_model: bool = True
     """Serve a decode exactly when this worker's own timings predict that sampling its context
-    would be slower than exact attention (stats: ``sampling_slower``; see ``cost_model.py``).
-    false: sample every request past ``min_sparse_context``."""
+    would be slower than exact attention (stats: ``sampling_slower``; see ``cost_model.py``), and
+    index a new prompt once its exact decodes would have saved what the build costs (stats:
+    ``index_deferred``). false: index every prompt at its first decode and sample every request
+    past ``min_sparse_context``."""
     background_index: bool = True
     """Index a new prompt on a background thread (``background_index.py``): its first decodes are
     served exactly (stats: ``indexing``) instead of waiting for the index. false: build at the

@@ -18,12 +18,26 @@ them all the same, so the sampling side keeps being measured near the crossover.
 step, not one request in ``explore_every``: a batch with sampled and exact requests serves the
 exact ones in the sampling kernel (slower than the platform's) and is not timed, so exploring
 single requests of a batch cost every such step and taught the model nothing.
+
+Whether a prompt's index pays: building it (every key hashed into L tables, in every sparse layer)
+costs seconds of the worker's core, and a short answer can end before sampling has saved that
+much; the cold 4K request of ``benchmarks/e2e_decode.py`` was 0.86x CPU_ATTN for this reason. So
+a new prompt's build waits, ski-rental style, until its decodes served exactly meanwhile would
+have saved as much by sampling as the build costs (stats: ``index_deferred``): then it is built.
+A prompt that pays soon is built soon; one whose answers end first never costs its build; and
+waiting never costs more than the build itself (at most 2x the best choice made in hindsight).
+Decodes of other requests over the same prompt (a prefix-cache hit) add to the same account, so
+a document many questions are asked about is indexed once they have paid for it. The build's
+cost per token and layer is measured from this worker's own builds; until one is measured, and
+until the decode costs are, a new prompt is built at once, as without this rule.
 """
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
+MAX_ACCOUNTS = 1 << 15  # deferred prompts whose savings are remembered (least recent forgotten)
 
 
 class LinearCost:
@@ -65,12 +79,35 @@ class LinearCost:
         return None if c is None else c[0] + c[1] * keys * KEY_SCALE
 
 
+class BuildCost:
+    """Seconds to index one token in one layer, from this worker's builds, with forgetting."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.builds = 0
+        self._seconds = 0.0
+        self._tokens = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        self._seconds = self.decay * self._seconds + seconds
+        self._tokens = self.decay * self._tokens + tokens
+        self.builds += 1
+
+    def per_token(self) -> float | None:
+        return self._seconds / self._tokens if self.builds else None
+
+
 class DecodeCostModel:
     def __init__(self, min_steps: int = 16, decay: float = 0.99, explore_every: int = 16) -> None:
         self.min_steps = min_steps
         self.explore_every = explore_every
         self.exact = LinearCost(decay)
         self.sparse = LinearCost(decay)
+        self.build = BuildCost(decay)
+        # prompt (centre id) whose build waits -> seconds per layer its exact decodes would have saved
+        self._saved: OrderedDict[int, float] = OrderedDict()
         self._steps_planned = 0
         self._explore = False
         self._lock = threading.Lock()
@@ -82,6 +119,11 @@ class DecodeCostModel:
     def observe_sparse(self, requests: int, keys: int, seconds: float) -> None:
         with self._lock:
             self.sparse.add(requests, keys, seconds)
+
+    def observe_build(self, tokens: int, seconds: float) -> None:
+        """A build indexed ``tokens`` (tokens x layers) in ``seconds`` of the worker's CPU."""
+        with self._lock:
+            self.build.add(tokens, seconds)
 
     def predicted(self, context: int) -> tuple[float, float] | None:
         """(exact, sampled) seconds per layer for one request of ``context`` keys, once both
@@ -103,9 +145,36 @@ class DecodeCostModel:
         p = self.predicted(context)
         return p is None or p[1] <= p[0] or self._explore
 
+    def index_pays(self, cid: int, context: int) -> bool:
+        """Build prompt ``cid``'s index now? Called once per step for a decode over a prompt that
+        has no index (module docs): adds what sampling this decode would have saved, and says
+        whether the prompt's decodes have saved the build's cost by now. True while the decode or
+        the build costs are unmeasured."""
+        p = self.predicted(context)
+        with self._lock:
+            per_token = self.build.per_token()
+        if p is None or per_token is None:
+            return True
+        saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
+        if saved >= per_token * context:
+            return True  # forgotten: built now
+        self._saved[cid] = saved
+        while len(self._saved) > MAX_ACCOUNTS:
+            self._saved.popitem(last=False)
+        return False
+
+    def forget_prompts(self) -> None:
+        """The index was cleared: the deferred prompts' centres are gone (measured costs stay)."""
+        self._saved.clear()
+
     def snapshot(self) -> dict:
-        """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys."""
-        out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps}
+        """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys,
+        and a build's seconds per 1K tokens and layer."""
+        out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps, "builds": self.build.builds,
+               "deferred_prompts": len(self._saved)}
+        per_token = self.build.per_token()
+        if per_token is not None:
+            out["build_ms_per_1k_tokens"] = round(per_token * 1e6, 2)
         for n in (4096, 16384, 65536):
             p = self.predicted(n)
             if p is not None:

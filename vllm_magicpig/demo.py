@@ -70,6 +70,11 @@ def main(argv=None) -> int:
     if indexing:
         print(f"  {indexing} decodes were served exactly while the prompt's index was being built (\"indexing\"; "
               f"\"background_index\": false builds it at the first decode instead, holding that token up)")
+    deferred = st["decode_exact"].get("index_deferred", 0)
+    if deferred:
+        print(f"  {deferred} decodes were served exactly before indexing the prompt paid for itself "
+              f"(\"index_deferred\": by this machine's timings, sampling them would have saved less than "
+              f"the build costs)")
     slower = st["decode_exact"].get("sampling_slower", 0)
     if slower:
         print(f"  {slower} decodes were served exactly because this machine's timings say sampling a "

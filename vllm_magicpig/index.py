@@ -86,6 +86,9 @@ class IndexStore:
         """``grow_step``: the tokens a growing segment gains at a time (``segment_tokens``)."""
         self.stats = stats
         self.grow_step = grow_step
+        # told (tokens, seconds) of every whole build, here or on the background thread (the cost
+        # model learns what an index costs from it); merges are growth, not told
+        self.on_build: Callable[[int, float], None] | None = None
         self.step = 0
         self._next_cid = 1
         # centre entries, found by the first block of the run
@@ -223,8 +226,11 @@ class IndexStore:
     def _build(self, build: Callable[[SegmentRef], Segment], ref: SegmentRef) -> Segment:
         t0 = time.perf_counter()
         seg = build(ref)
-        self.stats.build_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.build_seconds += seconds
         self._count_built(ref)
+        if self.on_build is not None:
+            self.on_build(ref.num_tokens, seconds)
         return seg
 
     def _count_built(self, ref: SegmentRef) -> None:
@@ -331,9 +337,9 @@ class IndexStore:
     def clear(self) -> None:
         # Centre ids stay unique for the worker's life: state outside the index is keyed by them
         # (budget mode's per-request choices), so a new prompt must never reuse a cleared one's id.
-        next_cid = self._next_cid
+        next_cid, on_build = self._next_cid, self.on_build
         self.__init__(self.stats, self.grow_step)
-        self._next_cid = next_cid
+        self._next_cid, self.on_build = next_cid, on_build
         self._publish()
 
     def __len__(self) -> int:

@@ -20,6 +20,7 @@ from vllm_magicpig.decode_methods import EXACT
 from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
 from vllm_magicpig.stats import (
+    EXACT_INDEX_DEFERRED,
     EXACT_INDEXING,
     EXACT_METHOD,
     EXACT_NOT_MIRRORED,
@@ -143,7 +144,8 @@ class StepPlanner:
         """``mirror``: the host mirror of a device KV cache (``host_mirror.HostMirror``), on platforms
         whose cache is not in host memory; only mirrored blocks are covered by segments.
         ``cost``: the worker's ``cost_model.DecodeCostModel``; requests it predicts would sample
-        slower than exact attention are served exactly. ``indexer``: the runtime's
+        slower than exact attention are served exactly, as are those over a prompt whose index
+        has not paid for its build yet. ``indexer``: the runtime's
         ``background_index.BackgroundIndexer``; a new prompt is served exactly while it indexes it."""
         self.cfg = cfg
         self.indexer = indexer
@@ -218,6 +220,9 @@ class StepPlanner:
             for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
+            if self.cost is not None and not self._indexed(spec.cid) and not self.cost.index_pays(spec.cid, s):
+                plan.exact_reason[r] = EXACT_INDEX_DEFERRED
+                continue
             if background and not self.indexer.ready(spec, refs, settings):
                 plan.exact_reason[r] = EXACT_INDEXING
                 continue
@@ -228,6 +233,10 @@ class StepPlanner:
             dense[r, 0, 1] = cfg.sink_tokens
             dense[r, 1, 0] = covered_end
         return plan
+
+    def _indexed(self, cid: int) -> bool:
+        """Whether prompt ``cid`` has an index, or one is being built (so no build decision is due)."""
+        return self.index.holds_centre_segments(cid) or (self.indexer is not None and self.indexer.tracks(cid))
 
     def _centre_for(self, row: list[int], s: int) -> CentreSpec | None:
         cfg, bs, index = self.cfg, self.block_size, self.index

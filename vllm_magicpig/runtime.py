@@ -57,6 +57,7 @@ class MagicPigRuntime:
         self.cost = DecodeCostModel() if cfg.cost_model else None
         if self.cost is not None:
             self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()})
+            self.index.on_build = self.cost.observe_build
         self.mirror = HostMirror(mirror_engine, self.stats, self.cap_bytes // 2) if mirror_engine is not None else None
         self.methods = dict(methods or {})
         self.dense_attention = dense_attention
@@ -101,6 +102,8 @@ class MagicPigRuntime:
         self.index.clear()
         self.budget.forget()  # its choices belong to centres that no longer exist
         self.indexer.forget()
+        if self.cost is not None:
+            self.cost.forget_prompts()  # so are the deferred prompts' accounts
 
 
 _lock = threading.Lock()

@@ -24,8 +24,10 @@ EXACT_NOT_MIRRORED = "not_mirrored"
 EXACT_SAMPLING_SLOWER = "sampling_slower"
 # a new prompt's index is being built on the background thread (background_index.py)
 EXACT_INDEXING = "indexing"
+# a new prompt's index waits until its exact decodes would have saved its build's cost (cost_model.py)
+EXACT_INDEX_DEFERRED = "index_deferred"
 EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
-                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING)
+                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING, EXACT_INDEX_DEFERRED)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 
