@@ -13,6 +13,7 @@ import torch
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.host_mirror import HostMirror, SyncCopyEngine
+from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import FlashLayout, gather
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.planner import StepPlanner
@@ -228,3 +229,36 @@ def test_split_decode_through_the_mirror_equals_the_device_gather(staging_mb):
                 tail_blocks = sum(-(-(s - 1) // BS) - 1 - (s - 32) // 64 * 64 // BS for s in lens)
                 assert rt.mirror.staged_bytes == tail_blocks * 2 * BS * HKV * D * 2
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("tokens", [5, 64, 65, 700])
+def test_a_steps_written_and_completed_blocks_are_the_same_on_both_paths(monkeypatch, tokens):
+    """observe_step finds the blocks a step writes (and completes) in Python for small steps and
+    with torch for large ones: the same lists either way, padding slots (-1) ignored."""
+    from vllm_magicpig import planner as planner_mod
+
+    gen = torch.Generator().manual_seed(tokens)
+    slots = torch.randint(0, 40 * BS, (tokens,), generator=gen)
+    slots[:: 7] = -1
+    slots[1] = 3 * BS + BS - 1  # the last slot of block 3: completes it
+    seen = {}
+    for small_step in (0, 10_000):
+        monkeypatch.setattr(planner_mod, "SMALL_STEP", small_step)
+        calls, written = [], []
+
+        class Mirror:
+            def __init__(self, calls):
+                self.calls = calls
+
+            def begin_step(self, written, completed):
+                self.calls.append((list(written), list(completed)))
+
+        cfg = MagicPigConfig()
+        index = IndexStore(Stats(), cfg.segment_tokens)
+        monkeypatch.setattr(index, "on_blocks_written", written.append)
+        p = StepPlanner(cfg, BS, index, Mirror(calls))
+        p.observe_step(FakeCam(torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32), slots, num_reqs=1), 1)
+        seen[small_step] = (written, calls)
+    assert seen[0] == seen[10_000]
+    (w,), ((w2, completed),) = seen[0]
+    assert w == w2 == sorted({s // BS for s in slots.tolist() if s >= 0}) and 3 in completed

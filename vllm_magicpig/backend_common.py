@@ -244,11 +244,15 @@ class MagicPigImplMixin:
         if meta.num_prefills:
             t = meta.full.num_actual_tokens
             super().forward(layer, query[nd:t], key[nd:t], value[nd:t], kv_cache, meta.prefill, output[nd:t])
-        self.forward_decode(layer, query[:nd], key[:nd], value[:nd], kv_cache, meta, output[:nd])
+            query, key, value, output = query[:nd], key[:nd], value[:nd], output[:nd]
+        # else a pure decode step: the tensors as vLLM passed them (the platform kernel reads the
+        # metadata's tokens; slicing four views costs more than a cheap layer's Python)
+        self.forward_decode(layer, query, key, value, kv_cache, meta, output)
         return output
 
     def forward_decode(self, layer, query, key, value, kv_cache, meta: MagicPigMetadata, output) -> None:
-        """Decode attention for the batch's decode requests in a sparse layer."""
+        """Decode attention for the batch's decode requests in a sparse layer (their tokens first
+        in ``query`` and ``output``; rows past them, if any, are not decode tokens)."""
         plan = meta.sparse_plan
         kv = self.sparse_layer.begin(kv_cache, plan)
         rt = meta.runtime
@@ -259,6 +263,9 @@ class MagicPigImplMixin:
             super().forward(layer, query, key, value, kv_cache, meta.decode, output)
             observe_exact(meta, time.perf_counter() - t0)
             return
+        nd = meta.num_decode_tokens
+        if query.shape[0] != nd:
+            query, output = query[:nd], output[:nd]
         t0, built0 = time.perf_counter(), rt.stats.build_seconds
         self.sparse_layer.forward(query, kv, plan, output)
         if rt.cost is not None and not plan.exact_reason:  # all sampled: sampling's cost, less index builds

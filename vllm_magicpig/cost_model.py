@@ -21,7 +21,8 @@ single requests of a batch cost every such step and taught the model nothing.
 
 Whether a prompt's index pays: building it (every key hashed into L tables, in every sparse layer)
 costs seconds of the worker's core, and a short answer can end before sampling has saved that
-much; the cold 4K request of ``benchmarks/e2e_decode.py`` was 0.86x CPU_ATTN for this reason. So
+much (the cold 4K request of ``benchmarks/e2e_decode.py``, 64 tokens, ran at 0.86x CPU_ATTN, its
+decodes 31% slower while the build shared their core, and it ended before sampling paid). So
 a new prompt's build waits, ski-rental style, until its decodes served exactly meanwhile would
 have saved as much by sampling as the build costs (stats: ``index_deferred``): then it is built.
 A prompt that pays soon is built soon; one whose answers end first never costs its build; and

@@ -86,8 +86,8 @@ class IndexStore:
         """``grow_step``: the tokens a growing segment gains at a time (``segment_tokens``)."""
         self.stats = stats
         self.grow_step = grow_step
-        # told (tokens, seconds) of every whole build, here or on the background thread (the cost
-        # model learns what an index costs from it); merges are growth, not told
+        # told (tokens, seconds) of every build, here (a growth's new tokens included) or on the
+        # background thread: the cost model learns from it what indexing a token costs
         self.on_build: Callable[[int, float], None] | None = None
         self.step = 0
         self._next_cid = 1

@@ -29,11 +29,15 @@ def budget_applies(st: StepSettings) -> bool:
 class SparseLayer:
     def __init__(self, ctx: LayerContext) -> None:
         self.ctx = ctx
+        self._cache: torch.Tensor | None = None  # the cache tensor whose views are below
+        self._views: KVViews | None = None
 
     def begin(self, kv_cache: torch.Tensor, plan: DecodePlan) -> KVViews:
         """Bind the step's settings and the layer's cache views; run the observers' before_decode."""
         self._bind(plan.settings)
-        kv = self.ctx.runtime.layout.views(kv_cache)
+        if kv_cache is not self._cache:  # a worker's layer keeps its cache tensor for life: views once
+            self._cache, self._views = kv_cache, self.ctx.runtime.layout.views(kv_cache)
+        kv = self._views
         for observer in self.ctx.runtime.observers:
             observer.before_decode(self.ctx, kv, plan)
         return kv

@@ -28,6 +28,8 @@ from vllm_magicpig.stats import (
     EXACT_SHORT_CONTEXT,
 )
 
+SMALL_STEP = 64  # tokens in a step up to which its written blocks are found in Python
+
 
 @dataclass(frozen=True)
 class StepSettings:
@@ -162,17 +164,22 @@ class StepPlanner:
     def observe_step(self, cam, num_decodes: int) -> None:
         """Every step: KV writes invalidate the index; remember where prefills ended."""
         self.index.begin_step()
+        bs = self.block_size
         slots = cam.slot_mapping[: cam.num_actual_tokens]
-        slots = slots[slots >= 0]
-        written: list[int] = []
-        if slots.numel():
-            written = torch.unique(slots // self.block_size).tolist()
+        if cam.num_actual_tokens <= SMALL_STEP:  # a decode step: a few tokens, Python beats torch's per-op cost
+            slot_list = [x for x in slots.tolist() if x >= 0]
+            written = sorted({x // bs for x in slot_list})
+            completed = sorted({x // bs for x in slot_list if x % bs == bs - 1})
+        else:
+            slots = slots[slots >= 0]
+            written = torch.unique(slots // bs).tolist()
+            completed = torch.unique(slots[slots % bs == bs - 1] // bs).tolist()
+        if written:
             self.index.on_blocks_written(written)
         if self.indexer is not None:  # after the invalidations: a job over rewritten blocks is dropped
             self.indexer.install_finished()
         if self.mirror is not None:  # blocks whose last slot is written now are complete
-            last = slots[slots % self.block_size == self.block_size - 1]
-            self.mirror.begin_step(written, torch.unique(last // self.block_size).tolist())
+            self.mirror.begin_step(written, completed)
         if cam.num_reqs > num_decodes:
             seq_lens = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens
             bt = cam.block_table_tensor
@@ -187,13 +194,14 @@ class StepPlanner:
         cfg, bs = self.cfg, self.block_size
         seq_lens = [int(x) for x in cam.seq_lens[:num_decodes].tolist()]
         block_table = cam.block_table_tensor[:num_decodes]
-        dense = torch.empty(num_decodes, 2, 2, dtype=torch.int32)
-        plan = DecodePlan(settings, num_decodes, block_table, seq_lens, dense, [])
+        # [sink range, tail range] per request, as Python lists until the end: element stores
+        # into a tensor cost microseconds each, and this runs every step
+        dense = [[[0, s], [s, s]] for s in seq_lens]
+        plan = DecodePlan(settings, num_decodes, block_table, seq_lens, torch.empty(0), [])
         background = self.indexer is not None and self.indexer.applies(settings)
         if self.cost is not None:
             self.cost.begin_step()
         for r, s in enumerate(seq_lens):
-            dense[r, 0, 0], dense[r, 0, 1], dense[r, 1, 0], dense[r, 1, 1] = 0, s, s, s
             if settings.method == EXACT:
                 plan.exact_reason[r] = EXACT_METHOD
                 continue
@@ -230,8 +238,9 @@ class StepPlanner:
             plan.centres[r] = spec
             plan.segments[r] = refs
             plan.covered[r] = covered_end - cfg.sink_tokens
-            dense[r, 0, 1] = cfg.sink_tokens
-            dense[r, 1, 0] = covered_end
+            dense[r][0][1] = cfg.sink_tokens
+            dense[r][1][0] = covered_end
+        plan.dense_ranges = torch.tensor(dense, dtype=torch.int32).view(num_decodes, 2, 2)
         return plan
 
     def _indexed(self, cid: int) -> bool:
