@@ -1,0 +1,176 @@
+"""What MAGICPIG costs when it serves a decode step exactly, against CPU_ATTN.
+
+    python benchmarks/exact_service.py [--contexts 4096] [--batches 1,4] [--tree DIR]   (contexts <= 8191)
+
+MAGICPIG serves a decode exactly whenever sampling would not pay: a context too short, the cost
+model predicting sampling slower, a prompt whose index is deferred or still being built. Then
+vLLM's own CPU kernel attends, and what MAGICPIG adds is its Python: the per-step plan in the
+metadata builder and the per-layer dispatch and accounting. "Never slower than exact" needs that
+to be small against a step. End to end, the two engines run one after the other and this
+machine's speed drifts by more than the difference, so this benchmark times it at the vLLM
+seam instead: both backends' metadata builders and impls (``MagicPigMetadataBuilder`` /
+``MagicPigImpl`` and vLLM's ``CPUAttentionMetadataBuilder`` / ``CPUAttentionBackendImpl``) over
+the same paged cache and queries, SmolLM2's shape (30 layers, MAGICPIG's default dense ones), one
+engine step each, alternating step by step in one process on one thread. vLLM's kernel op is
+timed inside both, so the table splits each step into the kernel and everything around it.
+
+Requests are planned exact as contexts under ``min_sparse_context`` are (``short_context``): the
+same path as the other reasons from the planner on, and one that an older checkout (``--tree``)
+takes too. ``--tree DIR`` times another built checkout's vllm_magicpig (a git worktree of an
+earlier commit); run it and the default in turn to compare commits through the drift.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def timed_tree() -> Path:
+    args = sys.argv[1:]
+    if "--tree" in args[:-1]:
+        return Path(args[args.index("--tree") + 1]).resolve()
+    return Path(__file__).resolve().parents[1]
+
+
+TREE = timed_tree()
+sys.path.insert(0, str(TREE))
+
+D, HKV, G, BS = 64, 3, 3, 128  # SmolLM2-135M's attention; vLLM's CPU block size
+H = HKV * G
+LAYERS = 30
+
+
+class _Layer:
+    """The attributes of vLLM's Attention layer that the CPU impls read."""
+
+    def __init__(self, name: str) -> None:
+        self.layer_name = name
+        self.isa = "vec"
+        self._k_scale_float = 1.0
+        self._v_scale_float = 1.0
+
+
+class _KernelTimer:
+    """Wraps vLLM's CPU attention op: the seconds spent inside it, over both backends' calls."""
+
+    def __init__(self) -> None:
+        self.inner = torch.ops._C.cpu_attention_with_kv_cache
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def vllm_config(model: str, magicpig: dict):
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    return VllmConfig(model_config=ModelConfig(model=model, dtype=torch.bfloat16, max_model_len=8192,
+                                               enforce_eager=True),
+                      cache_config=CacheConfig(block_size=BS), additional_config={"magicpig": magicpig})
+
+
+def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
+
+    cfg = vllm_config(model, {"min_sparse_context": ctx + 1, "background_index": False, "log_stats_interval": 0})
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(ctx + batch)
+    blocks = (ctx + BS - 1) // BS
+    cache = (torch.randn(batch * blocks + 1, HKV, BS, 2 * D, generator=gen) * 0.5).bfloat16()
+    block_table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
+    seq = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    slots = block_table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=batch, num_actual_tokens=batch,
+        max_query_len=1, max_seq_len=ctx, block_table_tensor=block_table, slot_mapping=slots,
+        seq_lens_cpu_upper_bound=seq, is_prefilling=torch.zeros(batch, dtype=torch.bool))
+    q = torch.randn(batch, H, D, generator=gen).bfloat16()
+    kv_new = torch.randn(batch, HKV, D, generator=gen).bfloat16()
+    out = torch.empty(batch, H, D, dtype=torch.bfloat16)
+    layers = [_Layer(n) for n in names]
+    with set_current_vllm_config(cfg):
+        builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),
+                    "CPU_ATTN": CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))}
+        args = (H, D, D**-0.5, HKV, None, None, "auto")
+        impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
+                 "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}
+
+        def step(name: str) -> None:
+            meta = builders[name].build(0, cam)
+            for layer, impl in zip(layers, impls[name]):
+                impl.forward(layer, q, kv_new, kv_new, cache, meta, out)
+
+        times: dict[str, list[tuple[float, float]]] = {"MAGICPIG": [], "CPU_ATTN": []}
+        for i in range(steps + 3):
+            for name in (("MAGICPIG", "CPU_ATTN") if i % 2 else ("CPU_ATTN", "MAGICPIG")):
+                timer.seconds = 0.0
+                t0 = time.perf_counter()
+                step(name)
+                if i >= 3:  # the first steps warm up
+                    times[name].append((time.perf_counter() - t0, timer.seconds))
+        st = builders["MAGICPIG"].runtime.stats.snapshot()
+    assert st["decode_sparse"] == 0 and set(st["decode_exact"]) == {"short_context", "dense_layer"}, st
+    row = {"context": ctx, "batch": batch, "steps": steps}
+    for name, ts in times.items():
+        row[f"{name}_step_ms"] = round(1e3 * statistics.median(t for t, _ in ts), 3)
+        row[f"{name}_kernel_ms"] = round(1e3 * statistics.median(k for _, k in ts), 3)
+        row[f"{name}_around_ms"] = round(1e3 * statistics.median(t - k for t, k in ts), 3)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps of each backend per row")
+    ap.add_argument("--tree", default=None, help="another built checkout to time (see the module docs)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # vLLM's default binding gives the worker one core here
+
+    import vllm_magicpig
+    from vllm_magicpig.models import prepare_smollm2
+
+    vllm_magicpig.register()
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's CPU ops)
+
+    timer = _KernelTimer()
+    torch.ops._C.cpu_attention_with_kv_cache = timer
+    try:
+        table(str(prepare_smollm2()), args, timer)
+    finally:
+        torch.ops._C.cpu_attention_with_kv_cache = timer.inner
+    return 0
+
+
+def table(model: str, args, timer: _KernelTimer) -> None:
+    print(f"timing {TREE}: one engine step (30 layers), both backends alternating, medians of {args.steps}")
+    print("| context | batch | CPU_ATTN step ms | MAGICPIG step ms | ratio | vLLM kernel ms (CPU_ATTN / MAGICPIG) "
+          "| around the kernel ms (CPU_ATTN / MAGICPIG) | MAGICPIG's extra ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ctx in (int(x) for x in args.contexts.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            r = run(model, ctx, batch, args.steps, timer)
+            extra = r["MAGICPIG_around_ms"] - r["CPU_ATTN_around_ms"]
+            print(f"| {ctx} | {batch} | {r['CPU_ATTN_step_ms']} | {r['MAGICPIG_step_ms']} | "
+                  f"{r['CPU_ATTN_step_ms'] / r['MAGICPIG_step_ms']:.3f}x | {r['CPU_ATTN_kernel_ms']} / "
+                  f"{r['MAGICPIG_kernel_ms']} | {r['CPU_ATTN_around_ms']} / {r['MAGICPIG_around_ms']} | "
+                  f"{extra:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

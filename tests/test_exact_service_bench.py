@@ -1,0 +1,28 @@
+"""The exact-service benchmark (benchmarks/exact_service.py) runs both backends at the vLLM seam
+and checks through MAGICPIG's counters that it served every decode exactly; here on a tiny row."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import exact_service  # noqa: E402
+
+
+def test_one_row_times_both_backends_and_restores_vllms_op(model_path, capsys):
+    import vllm._custom_ops  # noqa: F401
+
+    op = torch.ops._C.cpu_attention_with_kv_cache
+    threads = torch.get_num_threads()
+    try:
+        assert exact_service.main(["--contexts", "1024", "--batches", "2", "--steps", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1024 | 2 |")]
+    assert len(rows) == 1, rows
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x")
+    assert torch.ops._C.cpu_attention_with_kv_cache is op  # the timing wrapper is gone
