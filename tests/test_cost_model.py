@@ -121,6 +121,8 @@ BUILD_PER_TOKEN = 3e-6  # seconds to index one token in one layer (synthetic)
 
 def measured(build_per_token=BUILD_PER_TOKEN) -> DecodeCostModel:
     m = trained()
+    for keys in (300, 400, 70_000):  # sampling timed at the contexts below too (exact data: the same fit)
+        m.observe_sparse(1, keys, cost(SPARSE, 1, keys))
     m.observe_build(4096, 4096 * build_per_token)
     return m
 
@@ -198,3 +200,19 @@ def test_planner_defers_a_new_prompts_index_until_it_pays():
     index._keys_by_cid[cid] = {("layer", None)}  # as if a layer held one of its segments
     assert planner.plan(FakeCam(seq, table), 1, StepSettings.from_config(cfg)).sparse == [0]
     assert m.snapshot()["deferred_prompts"] == 0
+
+
+def test_built_at_once_where_sampling_was_never_timed_at_such_a_context():
+    """Sampling timed at 4K only: an 8K prompt is built at once (its sampled cost is extrapolated
+    and a deferred prompt is never sampled, so only a build measures it); a 6K one may wait."""
+    m = DecodeCostModel(min_steps=16)
+    for keys in (50, 500, 4100, 8200, 16000):
+        for _ in range(8):
+            m.observe_exact(1, keys, cost(EXACT, 1, keys))
+    for _ in range(32):
+        m.observe_sparse(2, 8200, cost(SPARSE, 2, 8200))  # 4100 keys a request
+    m.observe_build(4096, 4096 * BUILD_PER_TOKEN)
+    assert m.index_pays(1, 8192) and m.index_pays(2, 16384)
+    assert not m.index_pays(3, 6000) and not m.index_pays(4, 4096)
+    m.observe_sparse(1, 9000, cost(SPARSE, 1, 9000))  # now timed in 8K-16K
+    assert not m.index_pays(1, 8192)

@@ -30,15 +30,24 @@ waiting never costs more than the build itself (at most 2x the best choice made 
 Decodes of other requests over the same prompt (a prefix-cache hit) add to the same account, so
 a document many questions are asked about is indexed once they have paid for it. The build's
 cost per token and layer is measured from this worker's own builds; until one is measured, and
-until the decode costs are, a new prompt is built at once, as without this rule.
+until the decode costs are, a new prompt is built at once, as without this rule. So is a prompt
+whose context lies in no power-of-2 range (4K-8K, 8K-16K, ...) that sampling was timed in: the
+fit's sampled cost there is extrapolated, and only a build lets it be measured (a deferred prompt
+is never sampled, not even in an exploring step, so a wrong extrapolation would never be
+corrected: an 8K prompt after 4K ones was served exactly throughout, as ``sampling_slower``).
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
 KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
 MAX_ACCOUNTS = 1 << 15  # deferred prompts whose savings are remembered (least recent forgotten)
+
+
+def _octave(context: float) -> int:
+    return int(math.log2(max(context, 1.0)))
 
 
 class LinearCost:
@@ -107,6 +116,7 @@ class DecodeCostModel:
         self.exact = LinearCost(decay)
         self.sparse = LinearCost(decay)
         self.build = BuildCost(decay)
+        self._sampled_octaves: set[int] = set()  # floor(log2) of per-request contexts sampling was timed at
         # prompt (centre id) whose build waits -> seconds per layer its exact decodes would have saved
         self._saved: OrderedDict[int, float] = OrderedDict()
         self._steps_planned = 0
@@ -120,6 +130,7 @@ class DecodeCostModel:
     def observe_sparse(self, requests: int, keys: int, seconds: float) -> None:
         with self._lock:
             self.sparse.add(requests, keys, seconds)
+            self._sampled_octaves.add(_octave(keys / max(requests, 1)))
 
     def observe_build(self, tokens: int, seconds: float) -> None:
         """A build indexed ``tokens`` (tokens x layers) in ``seconds`` of the worker's CPU."""
@@ -150,11 +161,11 @@ class DecodeCostModel:
         """Build prompt ``cid``'s index now? Called once per step for a decode over a prompt that
         has no index (module docs): adds what sampling this decode would have saved, and says
         whether the prompt's decodes have saved the build's cost by now. True while the decode or
-        the build costs are unmeasured."""
+        the build costs are unmeasured, or sampling was not timed at a context this long."""
         p = self.predicted(context)
         with self._lock:
             per_token = self.build.per_token()
-        if p is None or per_token is None:
+        if p is None or per_token is None or _octave(context) not in self._sampled_octaves:
             return True
         saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
         if saved >= per_token * context:
