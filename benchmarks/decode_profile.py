@@ -26,18 +26,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timed_tree import use_tree_from_argv  # noqa: E402
 
-def timed_tree() -> Path:
-    """The checkout whose vllm_magicpig is timed: this one, or ``--tree DIR`` (read before the
-    imports below, which it decides)."""
-    args = sys.argv[1:]
-    if "--tree" in args[:-1]:
-        return Path(args[args.index("--tree") + 1]).resolve()
-    return Path(__file__).resolve().parents[1]
-
-
-TREE = timed_tree()
-sys.path.insert(0, str(TREE))
+TREE = use_tree_from_argv()
 from vllm_magicpig import kernel  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig  # noqa: E402
 from vllm_magicpig.decode_methods import LayerContext  # noqa: E402
@@ -46,7 +38,6 @@ from vllm_magicpig.layer import SparseLayer  # noqa: E402
 from vllm_magicpig.planner import StepPlanner  # noqa: E402
 from vllm_magicpig.runtime import MagicPigRuntime  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_bench import timeit  # noqa: E402
 
 D, HKV, G, BS = 64, 3, 3, 128

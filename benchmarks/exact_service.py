@@ -29,16 +29,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timed_tree import use_tree_from_argv  # noqa: E402
 
-def timed_tree() -> Path:
-    args = sys.argv[1:]
-    if "--tree" in args[:-1]:
-        return Path(args[args.index("--tree") + 1]).resolve()
-    return Path(__file__).resolve().parents[1]
-
-
-TREE = timed_tree()
-sys.path.insert(0, str(TREE))
+TREE = use_tree_from_argv()
 
 D, HKV, G, BS = 64, 3, 3, 128  # SmolLM2-135M's attention; vLLM's CPU block size
 H = HKV * G
