@@ -165,7 +165,8 @@ class DecodeCostModel:
         p = self.predicted(context)
         with self._lock:
             per_token = self.build.per_token()
-        if p is None or per_token is None or _octave(context) not in self._sampled_octaves:
+            timed_here = _octave(context) in self._sampled_octaves
+        if p is None or per_token is None or not timed_here:
             return True
         saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
         if saved >= per_token * context:

@@ -223,14 +223,14 @@ class StepPlanner:
                 if covered_end <= cfg.sink_tokens:
                     plan.exact_reason[r] = EXACT_NOT_MIRRORED
                     continue
+            if self.cost is not None and not self._indexed(spec.cid) and not self.cost.index_pays(spec.cid, s):
+                plan.exact_reason[r] = EXACT_INDEX_DEFERRED
+                continue
             refs = []
             prompt_end = (spec.end // self.unit) * self.unit  # covered at the prompt's first decode
             for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
-            if self.cost is not None and not self._indexed(spec.cid) and not self.cost.index_pays(spec.cid, s):
-                plan.exact_reason[r] = EXACT_INDEX_DEFERRED
-                continue
             if background and not self.indexer.ready(spec, refs, settings):
                 plan.exact_reason[r] = EXACT_INDEXING
                 continue
