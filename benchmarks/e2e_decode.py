@@ -5,7 +5,11 @@
     python benchmarks/e2e_decode.py --model llama-d128 --contexts 32768,65536 --batches 1   # the paper's regime
     python benchmarks/e2e_decode.py --threads default,all     # vLLM's thread binding, then all cores
 
-Method (identical for both backends, each in its own engine, with the same threads):
+Method (identical for both backends, each in its own engine, with the same threads). Both engines
+are alive at once and every timing is taken in turn, CPU_ATTN then MAGICPIG then MAGICPIG then
+CPU_ATTN (``in_turn``): these 2-core machines drift by ~20% within minutes, more than the
+differences "never slower" is about, and one engine's whole run after the other's put that drift
+between the two figures of a row. The idle engine's worker sleeps while the other runs.
 1. prefill the batch's distinct prompts once (max_tokens=1); prefill time is recorded;
 2. decode a few tokens from the prefix cache (MAGICPIG builds the row's LSH index here, from an
    empty index, on its background thread: decoding repeats until it is installed; reported as
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -47,6 +52,8 @@ REPEATS = 2  # runs of each length; the fastest counts
 # warm-up runs of SHORT_TOKENS at most while the index is deferred (a prompt it never pays for
 # is served exactly: then the row measures that, and its sampled fraction says so)
 MAX_WARM_RUNS = 64
+BACKENDS = ("CPU_ATTN", "MAGICPIG")  # the baseline first in every turn of in_turn
+HANDOVER_S = 1.5  # between two engines' calls: the idle worker's 1 s of polling ends first (in_turn)
 FLOOR_WORDS = 48  # words of a floor prompt (~64 tokens): attention over it is next to free
 
 
@@ -103,32 +110,52 @@ def _timed_generate(llm, prompts, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def decode_seconds(llm, prompts, decode_tokens: int, reps: int = REPEATS) -> tuple[float, float]:
-    """Seconds for ``decode_tokens`` decode steps of the batch, and the whole timed request.
+def in_turn(fns: dict, reps: int, pause_s: float = HANDOVER_S) -> dict:
+    """Call each of ``fns`` (backend -> function) ``reps`` times, the backends taking turns in
+    ABBA order, so the machine's drift (this project's 2-core machines change speed by ~20%
+    within minutes) falls on both alike; -> backend -> list of results. Before a call that follows
+    the other engine's, wait ``pause_s``: vLLM's worker polls its input queue with ``sched_yield``
+    for 1 s after its last step before it sleeps, and on a shared core that would tax the next call."""
+    names = list(fns)
+    out = {n: [] for n in names}
+    last = None
+    for rep in range(reps):
+        for n in (names if rep % 2 == 0 else names[::-1]):
+            if last is not None and last != n:
+                time.sleep(pause_s)
+            out[n].append(fns[n]())
+            last = n
+    return out
+
+
+def decode_seconds(llms: dict, prompts, decode_tokens: int, reps: int = REPEATS) -> dict:
+    """backend -> (seconds for ``decode_tokens`` decode steps of the batch, the whole timed request).
 
     Each ``generate`` from the prefix cache first recomputes the prompt's last block (vLLM keeps
     at least one prompt token to compute): a prefill of up to a block at the full context, the
     same for both backends, that would dilute a decode ratio. So decode is timed as a difference:
     ``SHORT_TOKENS`` tokens, then ``SHORT_TOKENS + decode_tokens`` tokens of the same prompts; the
-    recompute and the first steps cancel. The minimum of ``reps`` runs of each is taken (noise on
-    these machines only ever adds time)."""
-    short = min(_timed_generate(llm, prompts, SHORT_TOKENS) for _ in range(reps))
-    long = min(_timed_generate(llm, prompts, SHORT_TOKENS + decode_tokens) for _ in range(reps))
-    return max(long - short, 1e-9), long
+    recompute and the first steps cancel. The engines take turns (``in_turn``), and the minimum
+    of ``reps`` runs of each is taken (noise on these machines only ever adds time)."""
+    def runs(tokens):
+        return in_turn({n: (lambda llm=llm: _timed_generate(llm, prompts, tokens)) for n, llm in llms.items()}, reps)
+
+    short, long = runs(SHORT_TOKENS), runs(SHORT_TOKENS + decode_tokens)
+    return {n: (max(min(long[n]) - min(short[n]), 1e-9), min(long[n])) for n in llms}
 
 
-def first_decode_ms(llm, backend: str, prompt: str, reps: int = REPEATS) -> float:
-    """Milliseconds of a prompt's first decode step, index included: MAGICPIG's index is cleared
-    first, so that step meets an unindexed prompt as a new one does (from the prefix cache, so
-    no full prefill: 2 tokens minus 1 token, the recompute of the last block cancelling)."""
-    def run(tokens: int) -> float:
+def first_decode_ms(llms: dict, prompt: str, reps: int = REPEATS) -> dict:
+    """backend -> milliseconds of a prompt's first decode step, index included: MAGICPIG's index is
+    cleared first, so that step meets an unindexed prompt as a new one does (from the prefix
+    cache, so no full prefill: 2 tokens minus 1 token, the recompute of the last block cancelling)."""
+    def run(backend: str, tokens: int) -> float:
         if backend == "MAGICPIG":
-            llm.collective_rpc("magicpig_clear_index")
-        return _timed_generate(llm, [prompt], tokens)
+            llms[backend].collective_rpc("magicpig_clear_index")
+        return _timed_generate(llms[backend], [prompt], tokens)
 
-    one = min(run(1) for _ in range(reps))
-    two = min(run(2) for _ in range(reps))
-    return round(1000 * max(two - one, 0.0), 1)
+    one = in_turn({n: (lambda n=n: run(n, 1)) for n in llms}, reps)
+    two = in_turn({n: (lambda n=n: run(n, 2)) for n in llms}, reps)
+    return {n: round(1000 * max(min(two[n]) - min(one[n]), 0.0), 1) for n in llms}
 
 
 def _waiting(before: dict, after: dict) -> bool:
@@ -166,15 +193,15 @@ def num_layers(model: str) -> int:
     return model_config(model)["num_hidden_layers"]
 
 
-def floor_ms_per_step(llm, batch: int, decode_tokens: int) -> float:
-    """ms per decode step of ``batch`` prompts of ~64 tokens: the step without (much) attention."""
+def floor_ms_per_step(llms: dict, batch: int, decode_tokens: int) -> dict:
+    """backend -> ms per decode step of ``batch`` prompts of ~64 tokens: the step without (much) attention."""
     from vllm import SamplingParams
 
     words = " ".join(["the river runs past the old mill"] * (FLOOR_WORDS // 7))
     prompts = [f"Note {i}: {words}" for i in range(batch)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    decode_s, _ = decode_seconds(llm, prompts, decode_tokens)
-    return round(1000 * decode_s / decode_tokens, 2)
+    for llm in llms.values():
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return {n: round(1000 * d / decode_tokens, 2) for n, (d, _) in decode_seconds(llms, prompts, decode_tokens).items()}
 
 
 def _decodes(st: dict) -> int:
@@ -193,58 +220,83 @@ def dense_layers_per_step(st: dict, batch: int, layers: int) -> float:
     return layers * st["decode_exact"].get("dense_layer", 0) / max(_decodes(st), 1)
 
 
-def run_backend(backend, model, contexts, batches, decode_tokens, magicpig, cold_tokens=0, trained_len=8192,
-                dummy=False):
-    from vllm import SamplingParams
+def warm_up(llm, prompts) -> tuple[float, int, float]:
+    """MAGICPIG: decode the row's prompts from an empty index until it is in place (built on the
+    background thread, or deferred by the cost model until it pays: at most ``MAX_WARM_RUNS``
+    runs) -> (first run's seconds, runs, seconds spent indexing). Its stats are reset after."""
+    llm.collective_rpc("magicpig_clear_index")
+    llm.collective_rpc("magicpig_reset_stats")
+    before = _stats(llm)
+    first_s = _timed_generate(llm, prompts, SHORT_TOKENS)
+    runs = 1
+    while runs < MAX_WARM_RUNS and _waiting(before, after := _stats(llm)):
+        before = after
+        _timed_generate(llm, prompts, SHORT_TOKENS)
+        runs += 1
+    build_s = _stats(llm)["build_seconds"]
+    llm.collective_rpc("magicpig_reset_stats")
+    return first_s, runs, build_s
 
+
+def magicpig_fields(st: dict, batch: int, ctx: int, layers: int, build_s: float) -> dict:
+    """What MAGICPIG's stats say of a row's timed decodes."""
+    return dict(sampled_fraction=st["sampled_fraction"], decode_sparse=st["decode_sparse"],
+                decode_exact=st["decode_exact"], index_MiB=round(st["index_bytes"] / 2**20, 1),
+                mirror_MiB=round(st["mirror_bytes"] / 2**20, 1), index_build_s=round(build_s, 2),
+                bytes_per_token=bytes_per_token(st, batch * ctx), sparse_kernel_s=st["sparse_seconds"],
+                sparse_ms_per_step=sparse_ms_per_step(st, batch, layers),
+                dense_layers=dense_layers_per_step(st, batch, layers), layers=layers)
+
+
+def kv_space_gib(contexts, batches, extra_tokens: int, kv_bpt: int) -> int:
+    """A KV cache for the largest row's prompts, the cold prompt and the floor's, with room to spare:
+    both engines are alive at once, so neither takes vLLM's default share of memory."""
+    tokens = (max(contexts) + extra_tokens) * (max(batches) + 1) + 64 * max(batches)
+    return max(2, math.ceil(1.5 * tokens * kv_bpt / 2**30) + 1)
+
+
+def run_side_by_side(model, contexts, batches, decode_tokens, magicpig, cold_tokens=0, trained_len=8192,
+                     dummy=False) -> list[dict]:
+    """Both backends' engines alive at once, with the same threads, measured in turn (``in_turn``):
+    each row's two figures come from the same minutes of this machine."""
     from vllm_magicpig import passkey
 
-    max_len = max(contexts) + SHORT_TOKENS + max(decode_tokens, cold_tokens) + 64
-    llm = _engine(model, backend, max_len, magicpig, trained_len, dummy)
-    tok = llm.get_tokenizer()
-    kv_bpt = kv_bytes_per_token(model)
-    layers = num_layers(model)
-    floor = {b: floor_ms_per_step(llm, b, decode_tokens) for b in batches}
+    extra = SHORT_TOKENS + max(decode_tokens, cold_tokens) + 64
+    kv_bpt, layers = kv_bytes_per_token(model), num_layers(model)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib(contexts, batches, extra, kv_bpt)))
+    llms = {b: _engine(model, b, max(contexts) + extra, magicpig if b == "MAGICPIG" else {}, trained_len, dummy)
+            for b in BACKENDS}
+    tok = llms["MAGICPIG"].get_tokenizer()
+    floor = {b: floor_ms_per_step(llms, b, decode_tokens) for b in batches}
     rows = []
-    for ctx in contexts:
+    for ci, ctx in enumerate(contexts):
         prompts = [passkey.build(tok, ctx, seed=1000 + ctx + i, depth=0.5).text for i in range(max(batches))]
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        prefill_s = time.perf_counter() - t0
+        prefill_s = in_turn({n: (lambda llm=llm, p=prompts: _timed_generate(llm, p, 1)) for n, llm in llms.items()}, 1)
         for b in batches:
-            if backend == "MAGICPIG":  # this row's index only: its build time and bytes per token
-                llm.collective_rpc("magicpig_clear_index")
-                llm.collective_rpc("magicpig_reset_stats")
-            before = _stats(llm) if backend == "MAGICPIG" else {}
-            first_s = _timed_generate(llm, prompts[:b], SHORT_TOKENS)  # warm: builds the index
-            warm_runs = 1
-            while backend == "MAGICPIG" and warm_runs < MAX_WARM_RUNS and _waiting(before, after := _stats(llm)):
-                before = after
-                _timed_generate(llm, prompts[:b], SHORT_TOKENS)
-                warm_runs += 1
-            build_s = _stats(llm)["build_seconds"] if backend == "MAGICPIG" else 0.0
-            if backend == "MAGICPIG":
-                llm.collective_rpc("magicpig_reset_stats")
-            decode_s, request_s = decode_seconds(llm, prompts[:b], decode_tokens)
-            row = dict(backend=backend, context=ctx, batch=b, prefill_s=round(prefill_s, 2),
-                       first_run_s=round(first_s, 3), warm_runs=warm_runs, decode_s=round(decode_s, 3),
-                       tok_per_s=round(b * decode_tokens / decode_s, 2),
-                       ms_per_step=round(1000 * decode_s / decode_tokens, 2),
-                       request_s=round(request_s, 3), kv_bytes_per_token=kv_bpt, floor_ms_per_step=floor[b])
-            if backend == "MAGICPIG":
-                st = _stats(llm)
-                row.update(sampled_fraction=st["sampled_fraction"], decode_sparse=st["decode_sparse"],
-                           decode_exact=st["decode_exact"], index_MiB=round(st["index_bytes"] / 2**20, 1),
-                           mirror_MiB=round(st["mirror_bytes"] / 2**20, 1), index_build_s=round(build_s, 2),
-                           bytes_per_token=bytes_per_token(st, b * ctx), sparse_kernel_s=st["sparse_seconds"],
-                           sparse_ms_per_step=sparse_ms_per_step(st, b, layers),
-                           dense_layers=dense_layers_per_step(st, b, layers), layers=layers)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        rows[-1]["first_decode_ms"] = first_decode_ms(llm, backend, prompts[0])
+            first_s, warm_runs, build_s = warm_up(llms["MAGICPIG"], prompts[:b])
+            timed = decode_seconds(llms, prompts[:b], decode_tokens)
+            st = _stats(llms["MAGICPIG"])
+            for n in BACKENDS:
+                decode_s, request_s = timed[n]
+                row = dict(backend=n, context=ctx, batch=b, prefill_s=round(prefill_s[n][0], 2),
+                           decode_s=round(decode_s, 3), tok_per_s=round(b * decode_tokens / decode_s, 2),
+                           ms_per_step=round(1000 * decode_s / decode_tokens, 2), request_s=round(request_s, 3),
+                           kv_bytes_per_token=kv_bpt, floor_ms_per_step=floor[b][n])
+                if n == "MAGICPIG":
+                    row.update(first_run_s=round(first_s, 3), warm_runs=warm_runs,
+                               **magicpig_fields(st, b, ctx, layers, build_s))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        first = first_decode_ms(llms, prompts[0])
+        for r in rows[-len(BACKENDS):]:
+            r["first_decode_ms"] = first[r["backend"]]
         if cold_tokens:
-            rows.append(_cold(llm, backend, tok, ctx, cold_tokens))
-    del llm
+            # one new prompt each, the first backend alternating by context (a cold row is minutes long)
+            order = BACKENDS if ci % 2 == 0 else BACKENDS[::-1]
+            cold = in_turn({n: (lambda n=n, c=ctx: _cold(llms[n], n, tok, c, cold_tokens)) for n in order}, 1)
+            rows += [cold[n][0] for n in order]
+    for llm in llms.values():
+        llm.llm_engine.engine_core.shutdown()
     return rows
 
 
@@ -440,7 +492,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
     from vllm_magicpig.kernel import active_isa
     from vllm_magicpig.models import prepare_smollm2
 
@@ -459,10 +510,9 @@ def main(argv=None) -> int:
     rows = []
     for mode in args.threads.split(","):
         bind_threads(mode)
-        for backend in ("CPU_ATTN", "MAGICPIG"):
-            part = run_backend(backend, model, contexts, batches, args.decode_tokens,
-                               magicpig if backend == "MAGICPIG" else {}, args.cold_tokens, trained_len, dummy)
-            rows += [dict(r, threads=mode) for r in part]
+        part = run_side_by_side(model, contexts, batches, args.decode_tokens, magicpig, args.cold_tokens,
+                                trained_len, dummy)
+        rows += [dict(r, threads=mode) for r in part]
     bind_threads("default")
 
     lines = [

@@ -13,27 +13,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import e2e_decode  # noqa: E402
 
 
-class _FakeLLM:
-    """generate() advances a fake clock by a fixed per-request cost plus a per-token cost: what a
-    prefix-cache hit does (recompute the last block, then decode). No real time is measured."""
+class _Clock:
+    """A fake perf_counter that the fake engines advance (one clock for both, as in a run)."""
 
-    def __init__(self, fixed_s: float, per_token_s: float):
-        self.fixed_s, self.per_token_s, self.now = fixed_s, per_token_s, 0.0
+    def __init__(self):
+        self.now = 0.0
 
-    def clock(self) -> float:
+    def __call__(self) -> float:
         return self.now
 
+
+class _FakeLLM:
+    """generate() advances the clock by a fixed per-request cost plus a per-token cost: what a
+    prefix-cache hit does (recompute the last block, then decode). No real time is measured."""
+
+    def __init__(self, clock: _Clock, fixed_s: float, per_token_s: float):
+        self.clock, self.fixed_s, self.per_token_s = clock, fixed_s, per_token_s
+
     def generate(self, prompts, sp, use_tqdm=False):
-        self.now += self.fixed_s + sp.max_tokens * self.per_token_s
+        self.clock.now += self.fixed_s + sp.max_tokens * self.per_token_s
 
 
-def test_decode_difference_cancels_the_per_request_prefill(monkeypatch):
+def test_decode_difference_cancels_the_per_request_prefill_for_each_engine(monkeypatch):
     pytest.importorskip("vllm")
-    llm = _FakeLLM(fixed_s=0.2, per_token_s=0.004)
-    monkeypatch.setattr(e2e_decode.time, "perf_counter", llm.clock)
-    decode_s, request_s = e2e_decode.decode_seconds(llm, ["p"], decode_tokens=25, reps=2)
-    assert decode_s == pytest.approx(25 * 0.004)  # the 0.2 s per request is gone
-    assert request_s == pytest.approx(0.2 + (e2e_decode.SHORT_TOKENS + 25) * 0.004)
+    clock = _Clock()
+    monkeypatch.setattr(e2e_decode.time, "perf_counter", clock)
+    monkeypatch.setattr(e2e_decode.time, "sleep", lambda s: None)
+    llms = {"CPU_ATTN": _FakeLLM(clock, 0.2, 0.004), "MAGICPIG": _FakeLLM(clock, 0.5, 0.002)}
+    timed = e2e_decode.decode_seconds(llms, ["p"], decode_tokens=25, reps=2)
+    assert timed["CPU_ATTN"][0] == pytest.approx(25 * 0.004)  # the 0.2 s per request is gone
+    assert timed["MAGICPIG"][0] == pytest.approx(25 * 0.002)  # and the other engine's 0.5 s
+    assert timed["CPU_ATTN"][1] == pytest.approx(0.2 + (e2e_decode.SHORT_TOKENS + 25) * 0.004)
+
+
+def test_engines_take_turns_abba_with_a_pause_at_each_handover(monkeypatch):
+    calls, pauses = [], []
+    monkeypatch.setattr(e2e_decode.time, "sleep", lambda s: pauses.append((len(calls), s)))
+    def call(name):
+        calls.append(name)
+        return len(calls)
+
+    out = e2e_decode.in_turn({"A": lambda: call("A"), "B": lambda: call("B")}, reps=4, pause_s=1.5)
+    assert calls == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert out == {"A": [1, 4, 5, 8], "B": [2, 3, 6, 7]}
+    # a pause before each call that follows the other engine's, none between one engine's calls
+    assert pauses == [(1, 1.5), (3, 1.5), (5, 1.5), (7, 1.5)]
 
 
 def _rows():
