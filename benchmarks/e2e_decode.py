@@ -20,7 +20,7 @@ between the two figures of a row. The idle engine's worker sleeps while the othe
 4. the cold path a user meets: one new prompt of the same length (no prefix-cache hit),
    prefill plus ``--cold-tokens`` tokens, the index build included; reported as ms per
    generated token (``--cold-tokens 0`` skips it);
-5. the step's floor: the same decode timing over prompts of ~64 tokens, where attention costs
+5. the step's floor, beside each row: the same decode timing over prompts of ~64 tokens, where attention costs
    next to nothing: the model's other work and the engine's loop. With it, each row's step is
    split into the floor, the sparse layers (MAGICPIG's own timer) and the rest (the dense layers),
    and the speed-up a free sparse layer would give is bounded (Amdahl).
@@ -245,7 +245,8 @@ def magicpig_fields(st: dict, batch: int, ctx: int, layers: int, build_s: float)
                 mirror_MiB=round(st["mirror_bytes"] / 2**20, 1), index_build_s=round(build_s, 2),
                 bytes_per_token=bytes_per_token(st, batch * ctx), sparse_kernel_s=st["sparse_seconds"],
                 sparse_ms_per_step=sparse_ms_per_step(st, batch, layers),
-                dense_layers=dense_layers_per_step(st, batch, layers), layers=layers)
+                dense_layers=dense_layers_per_step(st, batch, layers), layers=layers,
+                cost_model=st.get("cost_model"))  # its per-layer timings in the engine (cost_model.py)
 
 
 def kv_space_gib(contexts, batches, extra_tokens: int, kv_bpt: int) -> int:
@@ -253,6 +254,32 @@ def kv_space_gib(contexts, batches, extra_tokens: int, kv_bpt: int) -> int:
     both engines are alive at once, so neither takes vLLM's default share of memory."""
     tokens = (max(contexts) + extra_tokens) * (max(batches) + 1) + 64 * max(batches)
     return max(2, math.ceil(1.5 * tokens * kv_bpt / 2**30) + 1)
+
+
+def keep_off_worker_cores() -> list[int]:
+    """Pin this process and the engines' other processes (every thread: the engine core's
+    scheduler, which polls its worker with ``sched_yield`` while a step runs) to the cores no vLLM
+    worker is bound to -> those cores ([] when the workers hold every core, as with ``--threads
+    all``). vLLM keeps a core from its workers for the scheduler but leaves the scheduler free to
+    run anywhere, and Linux sometimes wakes it on its worker's core: there it taxed that engine's
+    steps for seconds at a time, at random per engine (the first run of the side-by-side benchmark:
+    one engine's floor 84 ms a step, the other's 61 ms)."""
+    import psutil
+
+    me = psutil.Process()
+    procs = me.children(recursive=True)
+    workers = [p for p in procs if p.name().startswith("VLLM::Worker")]
+    busy = set().union(*(os.sched_getaffinity(w.pid) for w in workers)) if workers else set()
+    free = sorted(os.sched_getaffinity(0) - busy)
+    if not workers or not free:
+        return []
+    for proc in [me] + [p for p in procs if p not in workers]:
+        for thread in proc.threads():
+            try:
+                os.sched_setaffinity(thread.id, free)
+            except OSError:  # a thread that ended meanwhile
+                pass
+    return free
 
 
 def run_side_by_side(model, contexts, batches, decode_tokens, magicpig, cold_tokens=0, trained_len=8192,
@@ -267,7 +294,9 @@ def run_side_by_side(model, contexts, batches, decode_tokens, magicpig, cold_tok
     llms = {b: _engine(model, b, max(contexts) + extra, magicpig if b == "MAGICPIG" else {}, trained_len, dummy)
             for b in BACKENDS}
     tok = llms["MAGICPIG"].get_tokenizer()
-    floor = {b: floor_ms_per_step(llms, b, decode_tokens) for b in batches}
+    scheduler_cores = keep_off_worker_cores()
+    print(f"this process and the engine cores pinned to cores {scheduler_cores or 'shared with the workers'}",
+          flush=True)
     rows = []
     for ci, ctx in enumerate(contexts):
         prompts = [passkey.build(tok, ctx, seed=1000 + ctx + i, depth=0.5).text for i in range(max(batches))]
@@ -275,13 +304,14 @@ def run_side_by_side(model, contexts, batches, decode_tokens, magicpig, cold_tok
         for b in batches:
             first_s, warm_runs, build_s = warm_up(llms["MAGICPIG"], prompts[:b])
             timed = decode_seconds(llms, prompts[:b], decode_tokens)
-            st = _stats(llms["MAGICPIG"])
+            st = _stats(llms["MAGICPIG"])  # before the floor's decodes add to it
+            floor = floor_ms_per_step(llms, b, decode_tokens)  # beside the row it splits: the machine drifts
             for n in BACKENDS:
                 decode_s, request_s = timed[n]
                 row = dict(backend=n, context=ctx, batch=b, prefill_s=round(prefill_s[n][0], 2),
                            decode_s=round(decode_s, 3), tok_per_s=round(b * decode_tokens / decode_s, 2),
                            ms_per_step=round(1000 * decode_s / decode_tokens, 2), request_s=round(request_s, 3),
-                           kv_bytes_per_token=kv_bpt, floor_ms_per_step=floor[b][n])
+                           kv_bytes_per_token=kv_bpt, floor_ms_per_step=floor[n], scheduler_cores=scheduler_cores)
                 if n == "MAGICPIG":
                     row.update(first_run_s=round(first_s, 3), warm_runs=warm_runs,
                                **magicpig_fields(st, b, ctx, layers, build_s))
@@ -521,7 +551,9 @@ def main(argv=None) -> int:
         "",
         f"K={args.K}, L={args.L}, mirror_dtype {args.mirror_dtype}, {shape}, enforce_eager, {os.cpu_count()} cores, "
         f"kernel path {active_isa()}; "
-        "threads `default` = vLLM's binding (1 core for the worker here), `all` = every core.",
+        "threads `default` = vLLM's binding (1 core for the worker here), `all` = every core. Both engines alive "
+        "at once, timed in turn (ABBA); the engines' schedulers pinned to the cores their workers are not bound to: "
+        f"{sorted({str(r.get('scheduler_cores')) for r in rows if 'scheduler_cores' in r})}.",
         "",
     ] + table_lines(rows, args.decode_tokens, args.cold_tokens)
     table = "\n".join(lines)

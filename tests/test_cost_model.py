@@ -216,3 +216,35 @@ def test_built_at_once_where_sampling_was_never_timed_at_such_a_context():
     assert not m.index_pays(3, 6000) and not m.index_pays(4, 4096)
     m.observe_sparse(1, 9000, cost(SPARSE, 1, 9000))  # now timed in 8K-16K
     assert not m.index_pays(1, 8192)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_at_one_context_never_predicts_cheaper_attention_at_a_longer_one(seed):
+    """Steps clustered at ~4K keys with 20% noise: the unconstrained slope is noise, and was once
+    negative enough to predict exact attention over 16K keys as negative seconds. The fit keeps
+    both coefficients non-negative, so predictions never fall with context."""
+    rng = random.Random(seed)
+    fit = LinearCost(decay=0.99)
+    for _ in range(400):
+        keys = rng.randint(4096, 4140)
+        fit.add(1, keys, cost(EXACT, 1, keys) * (1 + 0.2 * rng.uniform(-1, 1)))
+    a, b = fit.coefficients()
+    assert a >= 0 and b >= 0
+    at_4k, at_16k, at_64k = (fit.per_request(n) for n in (4096, 16384, 65536))
+    assert 0 < at_4k <= at_16k <= at_64k
+    # and near the data the fit is still right
+    assert at_4k == pytest.approx(cost(EXACT, 1, 4096), rel=0.1)
+
+
+def test_a_negative_slope_is_refitted_as_a_constant_and_a_negative_intercept_as_a_proportion():
+    falling = LinearCost(decay=1.0)  # seconds fall with keys (noise): a constant fits best
+    for keys, seconds in ((4000, 1.0e-3), (4200, 0.9e-3)):
+        falling.add(1, keys, seconds)
+    a, b = falling.coefficients()
+    assert b == 0 and a == pytest.approx(0.95e-3, rel=1e-3)
+    steep = LinearCost(decay=1.0)  # a line through zero keys below zero seconds: a proportion fits best
+    for keys, seconds in ((4000, 0.2e-3), (4200, 1.0e-3)):
+        steep.add(1, keys, seconds)
+    a, b = steep.coefficients()
+    assert a == 0 and b > 0
+    assert steep.per_request(4100) == pytest.approx(0.6e-3, rel=0.05)

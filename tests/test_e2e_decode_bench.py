@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -136,3 +137,36 @@ def test_warm_up_waits_while_the_index_is_building_or_deferred():
     assert e2e_decode._waiting(st(deferred=30), st(deferred=30, jobs=1))  # paid: now building
     assert not e2e_decode._waiting(st(deferred=30, jobs=1), st(deferred=30, jobs=1, installed=1))  # sampled
     assert not e2e_decode._waiting(st(), st())
+
+
+def test_schedulers_are_pinned_off_the_workers_cores(monkeypatch):
+    psutil = pytest.importorskip("psutil")
+
+    class Proc:
+        def __init__(self, name, pid, tids, children=()):
+            self._name, self.pid, self._tids, self._children = name, pid, tids, list(children)
+
+        def name(self):
+            return self._name
+
+        def threads(self):
+            return [SimpleNamespace(id=t) for t in self._tids]
+
+        def children(self, recursive=False):
+            return self._children
+
+    workers = [Proc("VLLM::Worker", 20, [20, 21]), Proc("VLLM::Worker", 30, [30])]
+    engine_cores = [Proc("VLLM::EngineCore", 10, [10, 11])]
+    me = Proc("python", 1, [1, 2], engine_cores + workers)
+    affinity = {20: {0}, 30: {0}, 0: {0, 1, 2}}
+    pinned = {}
+    monkeypatch.setattr(psutil, "Process", lambda: me)
+    monkeypatch.setattr(e2e_decode.os, "sched_getaffinity", lambda pid: affinity[pid])
+    monkeypatch.setattr(e2e_decode.os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
+    assert e2e_decode.keep_off_worker_cores() == [1, 2]
+    # every thread of this process and of the engine cores; none of the workers'
+    assert pinned == {1: [1, 2], 2: [1, 2], 10: [1, 2], 11: [1, 2]}
+    # workers on every core: nothing to pin to, nothing pinned
+    affinity[20], pinned = {0, 1, 2}, {}
+    monkeypatch.setattr(e2e_decode.os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
+    assert e2e_decode.keep_off_worker_cores() == [] and pinned == {}

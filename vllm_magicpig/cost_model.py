@@ -71,8 +71,16 @@ class LinearCost:
     def coefficients(self) -> tuple[float, float] | None:
         """(seconds per request, seconds per 10K keys), or None while the fit is undetermined.
         A small ridge term keeps it defined when every step had the same shape; then the split
-        between the two is arbitrary but their sum at the observed shape is right."""
+        between the two is arbitrary but their sum at the observed shape is right.
+
+        Neither may be negative: no attention gets cheaper with more keys or requests. Steps of
+        one engine run cluster at nearly one context (4096-4140 keys in the end-to-end benchmark),
+        where noise alone sets the slope: an unconstrained fit there once predicted -45 ms for
+        exact attention over 16K keys, so every 16K decode would have looked cheaper served exactly.
+        So a negative coefficient is fixed at zero and the other refitted alone (least squares
+        with both non-negative)."""
         (s00, s01), (_, s11) = self._s
+        t0, t1 = self._t
         if s00 <= 0:
             return None
         ridge = 1e-6 * (s00 + s11)
@@ -80,8 +88,12 @@ class LinearCost:
         det = s00 * s11 - s01 * s01
         if det <= 0:
             return None
-        a = (s11 * self._t[0] - s01 * self._t[1]) / det
-        b = (s00 * self._t[1] - s01 * self._t[0]) / det
+        a = (s11 * t0 - s01 * t1) / det
+        b = (s00 * t1 - s01 * t0) / det
+        if b < 0:
+            return max(t0 / s00, 0.0), 0.0
+        if a < 0:
+            return 0.0, max(t1 / s11, 0.0)
         return a, b
 
     def per_request(self, keys: int) -> float | None:
