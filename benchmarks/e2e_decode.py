@@ -54,6 +54,7 @@ REPEATS = 2  # runs of each length; the fastest counts
 MAX_WARM_RUNS = 64
 BACKENDS = ("CPU_ATTN", "MAGICPIG")  # the baseline first in every turn of in_turn
 HANDOVER_S = 1.5  # between two engines' calls: the idle worker's 1 s of polling ends first (in_turn)
+ALLOWED_CPUS = frozenset(os.sched_getaffinity(0))  # before any pinning (keep_off_worker_cores)
 FLOOR_WORDS = 48  # words of a floor prompt (~64 tokens): attention over it is next to free
 
 
@@ -256,29 +257,41 @@ def kv_space_gib(contexts, batches, extra_tokens: int, kv_bpt: int) -> int:
     return max(2, math.ceil(1.5 * tokens * kv_bpt / 2**30) + 1)
 
 
-def keep_off_worker_cores() -> list[int]:
-    """Pin this process and the engines' other processes (every thread: the engine core's
-    scheduler, which polls its worker with ``sched_yield`` while a step runs) to the cores no vLLM
-    worker is bound to -> those cores ([] when the workers hold every core, as with ``--threads
-    all``). vLLM keeps a core from its workers for the scheduler but leaves the scheduler free to
-    run anywhere, and Linux sometimes wakes it on its worker's core: there it taxed that engine's
-    steps for seconds at a time, at random per engine (the first run of the side-by-side benchmark:
-    one engine's floor 84 ms a step, the other's 61 ms)."""
+def _engine_processes():
+    """(this process, vLLM's worker processes, the engines' other processes) under this one."""
     import psutil
 
     me = psutil.Process()
     procs = me.children(recursive=True)
     workers = [p for p in procs if p.name().startswith("VLLM::Worker")]
-    busy = set().union(*(os.sched_getaffinity(w.pid) for w in workers)) if workers else set()
-    free = sorted(os.sched_getaffinity(0) - busy)
-    if not workers or not free:
-        return []
-    for proc in [me] + [p for p in procs if p not in workers]:
+    return me, workers, [p for p in procs if p not in workers]
+
+
+def pin_schedulers(cores) -> None:
+    """Bind every thread of this process and of the engines' non-worker processes (the engine
+    core's scheduler, which polls its worker with ``sched_yield`` while a step runs) to ``cores``."""
+    me, _, others = _engine_processes()
+    for proc in [me] + others:
         for thread in proc.threads():
             try:
-                os.sched_setaffinity(thread.id, free)
+                os.sched_setaffinity(thread.id, cores)
             except OSError:  # a thread that ended meanwhile
                 pass
+
+
+def keep_off_worker_cores() -> list[int]:
+    """Pin this process and the engines' schedulers to the cores no vLLM worker is bound to ->
+    those cores ([] when the workers hold every core, as with ``--threads all``: nothing pinned).
+    vLLM keeps a core from its workers for the scheduler but leaves the scheduler free to run
+    anywhere, and Linux sometimes wakes it on its worker's core: there it taxed that engine's
+    steps for seconds at a time, at random per engine (the first run of the side-by-side
+    benchmark: one engine's floor 84 ms a step, the other's 61 ms; ``scheduler_pinning.py``)."""
+    _, workers, _ = _engine_processes()
+    busy = set().union(*(os.sched_getaffinity(w.pid) for w in workers)) if workers else set()
+    free = sorted(ALLOWED_CPUS - busy)
+    if not workers or not free:
+        return []
+    pin_schedulers(free)
     return free
 
 
@@ -291,6 +304,7 @@ def run_side_by_side(model, contexts, batches, decode_tokens, magicpig, cold_tok
     extra = SHORT_TOKENS + max(decode_tokens, cold_tokens) + 64
     kv_bpt, layers = kv_bytes_per_token(model), num_layers(model)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib(contexts, batches, extra, kv_bpt)))
+    pin_schedulers(ALLOWED_CPUS)  # the engines start unpinned (a previous --threads mode pinned this process)
     llms = {b: _engine(model, b, max(contexts) + extra, magicpig if b == "MAGICPIG" else {}, trained_len, dummy)
             for b in BACKENDS}
     tok = llms["MAGICPIG"].get_tokenizer()

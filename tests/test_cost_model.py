@@ -52,11 +52,37 @@ def test_linear_fit_recovers_per_request_and_per_key_costs():
 
 def test_forgetting_follows_a_machine_that_changed():
     fit = LinearCost(decay=0.9)
-    for keys in range(1000, 50000, 1000):
+    for keys in range(1000, 50000, 1000):  # a step each
+        fit.forget()
         fit.add(1, keys, cost(SPARSE, 1, keys))
     for keys in range(1000, 50000, 1000):  # three times slower now
+        fit.forget()
         fit.add(1, keys, 3 * cost(SPARSE, 1, keys))
     assert fit.per_request(10000) == pytest.approx(3 * cost(SPARSE, 1, 10000), rel=0.02)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_steps_many_layers_do_not_erase_what_earlier_steps_taught(seed):
+    """Forgetting is per step: 60 steps of 30 layers' noisy timings at one context (as an engine
+    decoding one 4K prompt gives) must not wipe out 100 earlier steps across contexts. Forgetting
+    per observation kept ~3 steps, and the fit at 16K went wherever the noise at 4K pointed."""
+    rng = random.Random(seed)
+    m = DecodeCostModel(min_steps=16, decay=0.99)
+    for _ in range(100):
+        m.begin_step()
+        keys = rng.randint(500, 20000)
+        for _ in range(30):
+            m.observe_exact(1, keys, cost(EXACT, 1, keys))
+            m.observe_sparse(1, keys, cost(SPARSE, 1, keys))
+    for _ in range(60):
+        m.begin_step()
+        for _ in range(30):
+            keys = rng.randint(4096, 4140)
+            m.observe_exact(1, keys, cost(EXACT, 1, keys) * (1 + 0.3 * rng.uniform(-1, 1)))
+            m.observe_sparse(1, keys, cost(SPARSE, 1, keys) * (1 + 0.3 * rng.uniform(-1, 1)))
+    exact, sparse = m.predicted(16384)
+    assert exact == pytest.approx(cost(EXACT, 1, 16384), rel=0.1)
+    assert sparse == pytest.approx(cost(SPARSE, 1, 16384), rel=0.1)
 
 
 def test_samples_until_both_sides_are_measured():

@@ -158,8 +158,9 @@ def test_schedulers_are_pinned_off_the_workers_cores(monkeypatch):
     workers = [Proc("VLLM::Worker", 20, [20, 21]), Proc("VLLM::Worker", 30, [30])]
     engine_cores = [Proc("VLLM::EngineCore", 10, [10, 11])]
     me = Proc("python", 1, [1, 2], engine_cores + workers)
-    affinity = {20: {0}, 30: {0}, 0: {0, 1, 2}}
+    affinity = {20: {0}, 30: {0}}
     pinned = {}
+    monkeypatch.setattr(e2e_decode, "ALLOWED_CPUS", frozenset({0, 1, 2}))
     monkeypatch.setattr(psutil, "Process", lambda: me)
     monkeypatch.setattr(e2e_decode.os, "sched_getaffinity", lambda pid: affinity[pid])
     monkeypatch.setattr(e2e_decode.os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))

@@ -10,8 +10,8 @@ so it is measured, not assumed: every pure-decode step times
 * the sparse layers whose batch was all sampled: sampling, less any index building in the call
   (a one-off per segment, not a per-step cost).
 
-Each is fitted as ``seconds = a * requests + b * keys`` (least squares with exponential
-forgetting, so a worker that warms up or changes load follows). Once both have enough steps, a
+Each is fitted as ``seconds = a * requests + b * keys`` (least squares, both non-negative, with
+exponential forgetting per step, so a worker that warms up or changes load follows). Once both have enough steps, a
 decode request is served exactly when sampling its context is predicted to be slower than
 attending it exactly (stats: ``sampling_slower``). One decode step in ``explore_every`` samples
 them all the same, so the sampling side keeps being measured near the crossover. Exploring a whole
@@ -51,7 +51,12 @@ def _octave(context: float) -> int:
 
 
 class LinearCost:
-    """``seconds = a * requests + b * keys``, fitted with exponential forgetting."""
+    """``seconds = a * requests + b * keys``, fitted with exponential forgetting per engine step.
+
+    Forgetting is per step (``forget``), not per observation: a step brings one observation per
+    layer, and forgetting 1% per observation kept only the last ~3 steps, nearly one context
+    apart by a few keys, where noise alone set the slope (an end-to-end run's fit predicted
+    -40 ms of exact attention per layer at 4K keys). ``steps`` counts observations."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -61,12 +66,17 @@ class LinearCost:
 
     def add(self, requests: int, keys: int, seconds: float) -> None:
         x = (float(requests), keys * KEY_SCALE)
-        d = self.decay
         for i in range(2):
-            self._t[i] = d * self._t[i] + x[i] * seconds
+            self._t[i] += x[i] * seconds
             for j in range(2):
-                self._s[i][j] = d * self._s[i][j] + x[i] * x[j]
+                self._s[i][j] += x[i] * x[j]
         self.steps += 1
+
+    def forget(self) -> None:
+        """A new step: earlier observations weigh ``decay`` times less."""
+        d = self.decay
+        self._t = [d * t for t in self._t]
+        self._s = [[d * v for v in row] for row in self._s]
 
     def coefficients(self) -> tuple[float, float] | None:
         """(seconds per request, seconds per 10K keys), or None while the fit is undetermined.
@@ -159,7 +169,11 @@ class DecodeCostModel:
         return None if e is None or s is None else (e, s)
 
     def begin_step(self) -> None:
-        """A decode step is being planned: every ``explore_every``-th one explores (module docs)."""
+        """A decode step is being planned: the fits forget a little, and every ``explore_every``-th
+        step explores (module docs)."""
+        with self._lock:
+            self.exact.forget()
+            self.sparse.forget()
         self._steps_planned += 1
         self._explore = self._steps_planned % self.explore_every == 0
 
