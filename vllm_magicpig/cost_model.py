@@ -11,13 +11,14 @@ so it is measured, not assumed: every pure-decode step times
   (a one-off per segment, not a per-step cost).
 
 Each is fitted as ``seconds = a * requests + b * keys`` (least squares, both non-negative, with
-exponential forgetting per step, so a worker that warms up or changes load follows). Once both have enough steps, a
-decode request is served exactly when sampling its context is predicted to be slower than
-attending it exactly (stats: ``sampling_slower``). One decode step in ``explore_every`` samples
-them all the same, so the sampling side keeps being measured near the crossover. Exploring a whole
-step, not one request in ``explore_every``: a batch with sampled and exact requests serves the
-exact ones in the sampling kernel (slower than the platform's) and is not timed, so exploring
-single requests of a batch cost every such step and taught the model nothing.
+exponential forgetting per step, so a worker that warms up or changes load follows). Once both
+have enough observations, a decode request is served exactly when sampling its context is
+predicted to be slower than attending it exactly (stats: ``sampling_slower``). One decode step
+in ``explore_every`` samples them all the same, so the sampling side keeps being measured near
+the crossover. Exploring a whole step, not one request in ``explore_every``: a batch with
+sampled and exact requests serves the exact ones in the sampling kernel (slower than the
+platform's) and is not timed, so exploring single requests of a batch cost every such step and
+taught the model nothing.
 
 Whether a prompt's index pays: building it (every key hashed into L tables, in every sparse layer)
 costs seconds of the worker's core, and a short answer can end before sampling has saved that
