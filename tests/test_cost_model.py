@@ -262,15 +262,33 @@ def test_noise_at_one_context_never_predicts_cheaper_attention_at_a_longer_one(s
     assert at_4k == pytest.approx(cost(EXACT, 1, 4096), rel=0.1)
 
 
-def test_a_negative_slope_is_refitted_as_a_constant_and_a_negative_intercept_as_a_proportion():
-    falling = LinearCost(decay=1.0)  # seconds fall with keys (noise): a constant fits best
-    for keys, seconds in ((4000, 1.0e-3), (4200, 0.9e-3)):
-        falling.add(1, keys, seconds)
-    a, b = falling.coefficients()
-    assert b == 0 and a == pytest.approx(0.95e-3, rel=1e-3)
-    steep = LinearCost(decay=1.0)  # a line through zero keys below zero seconds: a proportion fits best
-    for keys, seconds in ((4000, 0.2e-3), (4200, 1.0e-3)):
-        steep.add(1, keys, seconds)
-    a, b = steep.coefficients()
-    assert a == 0 and b > 0
-    assert steep.per_request(4100) == pytest.approx(0.6e-3, rel=0.05)
+def test_where_a_term_would_be_negative_the_fit_is_its_sides_one_term_model():
+    falling = [(4000, 1.0e-3), (4200, 0.9e-3)]  # seconds fall with keys (noise)
+    steep = [(4000, 0.2e-3), (4200, 1.0e-3)]  # a line through zero keys below zero seconds
+    for data in (falling, steep):
+        per_key, per_request = LinearCost(decay=1.0, shape="keys"), LinearCost(decay=1.0, shape="requests")
+        for keys, seconds in data:
+            per_key.add(1, keys, seconds)
+            per_request.add(1, keys, seconds)
+        a, b = per_key.coefficients()
+        assert a == 0 and b > 0  # exact attention's shape: in proportion to the keys
+        assert per_key.per_request(4100) == pytest.approx(sum(s for _, s in data) / 2, rel=0.05)
+        assert per_key.per_request(16400) == pytest.approx(4 * per_key.per_request(4100))
+        a, b = per_request.coefficients()
+        assert b == 0 and a == pytest.approx(sum(s for _, s in data) / 2, rel=1e-3)  # sampling's: per request
+    with pytest.raises(ValueError, match="shape"):
+        LinearCost(decay=1.0, shape="tokens")
+
+
+def test_one_context_of_exact_timings_extrapolates_in_proportion_to_the_keys():
+    """The decision the shapes are for: exact attention timed at ~4K only, with noise that makes
+    the per-key term negative, must not predict exact attention over 16K keys as cheap as over 4K
+    (sampling would then look slower there, and 16K decodes be served exactly until measured)."""
+    m = DecodeCostModel(min_steps=16)
+    for i in range(40):
+        keys = 4096 + i
+        m.observe_exact(1, keys, cost(EXACT, 1, 4096) * (1.2 - 0.01 * i))  # falling: noise
+        m.observe_sparse(1, keys, cost(SPARSE, 1, keys))
+    exact_4k, _ = m.predicted(4096)
+    exact_16k, _ = m.predicted(16384)
+    assert exact_16k == pytest.approx(4 * exact_4k, rel=1e-3)

@@ -59,8 +59,15 @@ class LinearCost:
     apart by a few keys, where noise alone set the slope (an end-to-end run's fit predicted
     -40 ms of exact attention per layer at 4K keys). ``steps`` counts observations."""
 
-    def __init__(self, decay: float) -> None:
+    def __init__(self, decay: float, shape: str = "requests") -> None:
+        """``shape``: the one-term model a fit falls back to when the data would give a term a
+        negative coefficient (``coefficients``): ``"keys"`` (cost in proportion to the keys, as
+        exact attention's) or ``"requests"`` (a cost per request, as sampling's, which reads a
+        fixed number of buckets)."""
+        if shape not in ("keys", "requests"):
+            raise ValueError(f"shape is 'keys' or 'requests', not {shape!r}")
         self.decay = decay
+        self.shape = shape
         self.steps = 0
         self._s = [[0.0, 0.0], [0.0, 0.0]]  # sum of x x^T
         self._t = [0.0, 0.0]  # sum of x * seconds
@@ -88,8 +95,9 @@ class LinearCost:
         one engine run cluster at nearly one context (4096-4140 keys in the end-to-end benchmark),
         where noise alone sets the slope: an unconstrained fit there once predicted -45 ms for
         exact attention over 16K keys, so every 16K decode would have looked cheaper served exactly.
-        So a negative coefficient is fixed at zero and the other refitted alone (least squares
-        with both non-negative)."""
+        Where the data would make a coefficient negative, it cannot tell the two terms apart, so
+        the fit is the one-term model of this side's ``shape`` through the same data: exact
+        attention over 4x the keys then costs 4x, not (as a constant would say) the same."""
         (s00, s01), (_, s11) = self._s
         t0, t1 = self._t
         if s00 <= 0:
@@ -101,11 +109,9 @@ class LinearCost:
             return None
         a = (s11 * t0 - s01 * t1) / det
         b = (s00 * t1 - s01 * t0) / det
-        if b < 0:
-            return max(t0 / s00, 0.0), 0.0
-        if a < 0:
-            return 0.0, max(t1 / s11, 0.0)
-        return a, b
+        if a >= 0 and b >= 0:
+            return a, b
+        return (0.0, max(t1 / s11, 0.0)) if self.shape == "keys" else (max(t0 / s00, 0.0), 0.0)
 
     def per_request(self, keys: int) -> float | None:
         c = self.coefficients()
@@ -136,8 +142,8 @@ class DecodeCostModel:
     def __init__(self, min_steps: int = 16, decay: float = 0.99, explore_every: int = 16) -> None:
         self.min_steps = min_steps
         self.explore_every = explore_every
-        self.exact = LinearCost(decay)
-        self.sparse = LinearCost(decay)
+        self.exact = LinearCost(decay, shape="keys")
+        self.sparse = LinearCost(decay, shape="requests")
         self.build = BuildCost(decay)
         self._sampled_octaves: set[int] = set()  # floor(log2) of per-request contexts sampling was timed at
         # prompt (centre id) whose build waits -> seconds per layer its exact decodes would have saved
