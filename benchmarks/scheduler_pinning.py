@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=8, help="timings per mode, ABBA")
     ap.add_argument("--out", default=str(RESULTS / "scheduler_pinning"))
     args = ap.parse_args(argv)
+    e2e_decode.os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's default takes most of memory
     from vllm_magicpig import passkey
     from vllm_magicpig.models import prepare_smollm2
 

@@ -171,3 +171,23 @@ def test_schedulers_are_pinned_off_the_workers_cores(monkeypatch):
     affinity[20], pinned = {0, 1, 2}, {}
     monkeypatch.setattr(e2e_decode.os, "sched_setaffinity", lambda tid, cpus: pinned.__setitem__(tid, list(cpus)))
     assert e2e_decode.keep_off_worker_cores() == [] and pinned == {}
+
+
+def test_cold_requests_take_turns_on_the_same_prompts_and_the_fastest_counts(monkeypatch):
+    calls = []
+
+    times = {"CPU_ATTN": [1000.0, 900.0], "MAGICPIG": [950.0, 1100.0]}  # ms per token, in the order run
+
+    def fake_cold(llm, backend, tok, ctx, cold_tokens, seed):
+        calls.append((backend, seed))
+        ms = times[backend][sum(c[0] == backend for c in calls) - 1]
+        return dict(backend=backend, context=ctx, batch="cold", cold_ms_per_token=ms)
+
+    monkeypatch.setattr(e2e_decode, "_cold", fake_cold)
+    monkeypatch.setattr(e2e_decode.time, "sleep", lambda s: None)
+    rows = e2e_decode.cold_rows({"CPU_ATTN": None, "MAGICPIG": None}, None, 4096, 64, repeats=2, first="MAGICPIG")
+    first, second = 777_000 + 4096, 777_000 + 4096 + 1000
+    assert calls == [("MAGICPIG", first), ("CPU_ATTN", first), ("CPU_ATTN", second), ("MAGICPIG", second)]
+    by = {r["backend"]: r for r in rows}
+    assert by["CPU_ATTN"]["cold_ms_per_token"] == 900.0 and by["CPU_ATTN"]["cold_runs"] == [1000.0, 900.0]
+    assert by["MAGICPIG"]["cold_ms_per_token"] == 950.0 and by["MAGICPIG"]["cold_runs"] == [950.0, 1100.0]
