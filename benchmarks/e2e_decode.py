@@ -9,7 +9,8 @@ Method (identical for both backends, each in its own engine, with the same threa
 are alive at once and every timing is taken in turn, CPU_ATTN then MAGICPIG then MAGICPIG then
 CPU_ATTN (``in_turn``): these 2-core machines drift by ~20% within minutes, more than the
 differences "never slower" is about, and one engine's whole run after the other's put that drift
-between the two figures of a row. The idle engine's worker sleeps while the other runs.
+between the two figures of a row. The idle engine's worker sleeps while the other runs. The
+engines' schedulers are pinned off their workers' cores (``keep_off_worker_cores``).
 1. prefill the batch's distinct prompts once (max_tokens=1); prefill time is recorded;
 2. decode a few tokens from the prefix cache (MAGICPIG builds the row's LSH index here, from an
    empty index, on its background thread: decoding repeats until it is installed; reported as
@@ -283,9 +284,12 @@ def keep_off_worker_cores() -> list[int]:
     """Pin this process and the engines' schedulers to the cores no vLLM worker is bound to ->
     those cores ([] when the workers hold every core, as with ``--threads all``: nothing pinned).
     vLLM keeps a core from its workers for the scheduler but leaves the scheduler free to run
-    anywhere, and Linux sometimes wakes it on its worker's core: there it taxed that engine's
-    steps for seconds at a time, at random per engine (the first run of the side-by-side
-    benchmark: one engine's floor 84 ms a step, the other's 61 ms; ``scheduler_pinning.py``)."""
+    anywhere, and Linux sometimes runs it on its worker's core, which it polls with
+    ``sched_yield`` while a step runs. In the first side-by-side run one engine was 40% slower
+    than the other at the same work (floors 84 and 61 ms a step) and its scheduler was seen on
+    its worker's core for seconds at a time; pinned, the floors agreed within 3%. A direct test
+    in one engine (``scheduler_pinning.py``) found no difference, so that cause is not
+    established; the pinning stays, as vLLM means the reserved core to be used."""
     _, workers, _ = _engine_processes()
     busy = set().union(*(os.sched_getaffinity(w.pid) for w in workers)) if workers else set()
     free = sorted(ALLOWED_CPUS - busy)
