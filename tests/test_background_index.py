@@ -132,6 +132,34 @@ def test_a_new_prompts_index_waits_until_its_exact_decodes_would_have_paid_for_i
     assert st["decode_exact"] == {"index_deferred": 2, "indexing": 1} and st["decode_sparse"] == 1, st
 
 
+def test_timings_taken_while_a_build_shares_the_core_do_not_teach_the_cost_model(vllm_env):  # noqa: F811
+    """A background build shares the worker's cores: exact attention timed meanwhile looked ~50%
+    dearer than it is, and the next new prompt was indexed too early. Such steps are not timed."""
+    import threading
+
+    h = _prefilled(vllm_env, [3000], inline=False)
+    indexer, cost = h.runtime.indexer, h.runtime.cost
+    release = threading.Event()
+    build = indexer._build
+
+    def held_build(*args, **kwargs):  # the build runs while the engine decodes
+        release.wait(timeout=60)
+        return build(*args, **kwargs)
+
+    indexer._build = held_build
+    exact_before = cost.exact.steps
+    _, _, meta = h.step()  # submits the job; the platform kernel serves the decode
+    assert meta.sparse_plan.exact_reason == {0: "indexing"}
+    _, _, meta = h.step()  # the job is still running
+    assert indexer.building() and not meta.sparse_plan.timed
+    assert cost.exact.steps == exact_before  # neither step's layer timings reached the fit
+    release.set()
+    assert indexer.wait_idle(timeout=120) and not indexer.building()
+    _, _, meta = h.step()  # installs; nothing building: timed again
+    assert meta.sparse_plan.timed and meta.sparse_plan.sparse == [0]
+    assert cost.sparse.steps > 0
+
+
 @pytest.mark.e2e
 def test_engine_serves_exactly_while_indexing_then_samples(model_path):
     llm = make_llm(model_path, magicpig={"log_stats_interval": 0, "background_index": True})

@@ -268,7 +268,7 @@ class MagicPigImplMixin:
             query, output = query[:nd], output[:nd]
         t0, built0 = time.perf_counter(), rt.stats.build_seconds
         self.sparse_layer.forward(query, kv, plan, output)
-        if rt.cost is not None and not plan.exact_reason:  # all sampled: sampling's cost, less index builds
+        if rt.cost is not None and not plan.exact_reason and plan.timed:  # all sampled: its cost, less builds
             seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
             rt.cost.observe_sparse(len(plan.sparse), plan.context_keys, seconds)
 
@@ -276,5 +276,5 @@ class MagicPigImplMixin:
 def observe_exact(meta: MagicPigMetadata, seconds: float) -> None:
     """Exact attention over the step's decode requests took ``seconds`` (for the cost model)."""
     cost, plan = meta.runtime.cost, meta.sparse_plan
-    if cost is not None and plan is not None:
+    if cost is not None and plan is not None and plan.timed:
         cost.observe_exact(plan.num_decodes, plan.context_keys, seconds)

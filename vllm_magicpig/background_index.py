@@ -169,6 +169,11 @@ class BackgroundIndexer:
     def pending(self) -> int:
         return len(self._pending)
 
+    def building(self) -> bool:
+        """Whether a job is queued or running on the background thread now (a finished one waits
+        in ``_done`` for its install)."""
+        return len(self._pending) > self._done.qsize()
+
     # ------------------------------------------------------------------ background thread
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -125,6 +125,9 @@ class DecodePlan:
     segments: dict[int, list[SegmentRef]] = field(default_factory=dict)
     covered: dict[int, int] = field(default_factory=dict)  # request -> indexed token count
     exact_reason: dict[int, str] = field(default_factory=dict)  # requests planned exact, and why
+    # whether this step's layer timings may teach the cost model: not while a background build
+    # shares the worker's cores, which made exact attention look ~50% dearer than it is
+    timed: bool = True
 
     @cached_property
     def context_keys(self) -> int:
@@ -241,6 +244,7 @@ class StepPlanner:
             dense[r][0][1] = cfg.sink_tokens
             dense[r][1][0] = covered_end
         plan.dense_ranges = torch.tensor(dense, dtype=torch.int32).view(num_decodes, 2, 2)
+        plan.timed = self.indexer is None or not self.indexer.building()
         return plan
 
     def _indexed(self, cid: int) -> bool:
