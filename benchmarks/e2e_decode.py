@@ -324,12 +324,20 @@ def run_side_by_side(model, contexts, batches, decode_tokens, magicpig, cold_tok
     return rows
 
 
-def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_cores) -> list[dict]:
-    """Decode speed from the prefix cache, MAGICPIG's index built, for each batch size."""
+def distinct_prompt(tok, ctx: int, seed: int) -> str:
+    """A pass-key prompt of ``ctx`` tokens that shares no prefix-cache block with another seed's.
+    Pass-key prompts share their text up to the needle (the task and the filler): half of a
+    "new" prompt was a prefix-cache hit, which halved the cold rows' prefill and let a batch's
+    prompts inherit one another's index centre."""
     from vllm_magicpig import passkey
 
+    return f"Document {seed}.\n" + passkey.build(tok, ctx - 8, seed=seed, depth=0.5).text
+
+
+def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_cores) -> list[dict]:
+    """Decode speed from the prefix cache, MAGICPIG's index built, for each batch size."""
     rows = []
-    prompts = [passkey.build(tok, ctx, seed=1000 + ctx + i, depth=0.5).text for i in range(max(batches))]
+    prompts = [distinct_prompt(tok, ctx, seed=1000 + ctx + i) for i in range(max(batches))]
     prefill_s = in_turn({n: (lambda llm=llm, p=prompts: _timed_generate(llm, p, 1)) for n, llm in llms.items()}, 1)
     for b in batches:
         first_s, warm_runs, build_s = warm_up(llms["MAGICPIG"], prompts[:b])
@@ -379,9 +387,7 @@ def _cold(llm, backend, tok, ctx, cold_tokens, seed):
     user meets it. vLLM's request timestamps split it into prefill (to the first token) and decode."""
     from vllm import SamplingParams
 
-    from vllm_magicpig import passkey
-
-    prompt = passkey.build(tok, ctx, seed=seed, depth=0.5).text
+    prompt = distinct_prompt(tok, ctx, seed)
     if backend == "MAGICPIG":
         llm.collective_rpc("magicpig_reset_stats")
     t0 = time.perf_counter()

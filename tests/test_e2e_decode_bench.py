@@ -191,3 +191,17 @@ def test_cold_requests_take_turns_on_the_same_prompts_and_the_fastest_counts(mon
     by = {r["backend"]: r for r in rows}
     assert by["CPU_ATTN"]["cold_ms_per_token"] == 900.0 and by["CPU_ATTN"]["cold_runs"] == [1000.0, 900.0]
     assert by["MAGICPIG"]["cold_ms_per_token"] == 950.0 and by["MAGICPIG"]["cold_runs"] == [950.0, 1100.0]
+
+
+def test_benchmark_prompts_share_no_leading_block(tmp_path):
+    """Pass-key prompts share their text up to the needle; the benchmark's must not, or a "new"
+    prompt is half a prefix-cache hit (vLLM hashes blocks of 16 tokens from the start)."""
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+
+    from vllm_magicpig.models import prepare_smollm2
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_smollm2()))
+    a, b = (tok.encode(e2e_decode.distinct_prompt(tok, 2048, seed)) for seed in (777_000, 778_000))
+    assert a[:16] != b[:16]
+    assert abs(len(a) - 2048) < 64 and abs(len(b) - 2048) < 64

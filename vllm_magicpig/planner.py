@@ -126,7 +126,7 @@ class DecodePlan:
     covered: dict[int, int] = field(default_factory=dict)  # request -> indexed token count
     exact_reason: dict[int, str] = field(default_factory=dict)  # requests planned exact, and why
     # whether this step's layer timings may teach the cost model: not while a background build
-    # shares the worker's cores, which made exact attention look ~50% dearer than it is
+    # shares the worker's cores (decodes beside one ran up to ~50% slower)
     timed: bool = True
 
     @cached_property
