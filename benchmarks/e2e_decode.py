@@ -403,7 +403,8 @@ def _cold(llm, backend, tok, ctx, cold_tokens, seed):
     if backend == "MAGICPIG":
         st = _stats(llm)
         row.update(sampled_fraction=st["sampled_fraction"], index_build_s=round(st["build_seconds"], 2),
-                   decode_sparse=st["decode_sparse"], decode_exact=st["decode_exact"])
+                   decode_sparse=st["decode_sparse"], decode_exact=st["decode_exact"],
+                   cost_model=st.get("cost_model"))  # what decided whether to defer this prompt's index
     print(json.dumps(row), flush=True)
     return row
 
