@@ -130,6 +130,11 @@ def in_turn(fns: dict, reps: int, pause_s: float = HANDOVER_S) -> dict:
     return out
 
 
+def generate_in_turn(llms: dict, prompts, tokens: int, reps: int) -> dict:
+    """backend -> seconds of each of ``reps`` timed ``generate`` runs of ``prompts``, the engines in turn."""
+    return in_turn({n: (lambda llm=llm: _timed_generate(llm, prompts, tokens)) for n, llm in llms.items()}, reps)
+
+
 def decode_seconds(llms: dict, prompts, decode_tokens: int, reps: int = REPEATS) -> dict:
     """backend -> (seconds for ``decode_tokens`` decode steps of the batch, the whole timed request).
 
@@ -139,10 +144,8 @@ def decode_seconds(llms: dict, prompts, decode_tokens: int, reps: int = REPEATS)
     ``SHORT_TOKENS`` tokens, then ``SHORT_TOKENS + decode_tokens`` tokens of the same prompts; the
     recompute and the first steps cancel. The engines take turns (``in_turn``), and the minimum
     of ``reps`` runs of each is taken (noise on these machines only ever adds time)."""
-    def runs(tokens):
-        return in_turn({n: (lambda llm=llm: _timed_generate(llm, prompts, tokens)) for n, llm in llms.items()}, reps)
-
-    short, long = runs(SHORT_TOKENS), runs(SHORT_TOKENS + decode_tokens)
+    short = generate_in_turn(llms, prompts, SHORT_TOKENS, reps)
+    long = generate_in_turn(llms, prompts, SHORT_TOKENS + decode_tokens, reps)
     return {n: (max(min(long[n]) - min(short[n]), 1e-9), min(long[n])) for n in llms}
 
 
@@ -280,6 +283,12 @@ def pin_schedulers(cores) -> None:
                 pass
 
 
+def worker_cores() -> set[int]:
+    """The cores vLLM's workers under this process are bound to (empty before any engine starts)."""
+    _, workers, _ = _engine_processes()
+    return set().union(*(os.sched_getaffinity(w.pid) for w in workers))
+
+
 def keep_off_worker_cores() -> list[int]:
     """Pin this process and the engines' schedulers to the cores no vLLM worker is bound to ->
     those cores ([] when the workers hold every core, as with ``--threads all``: nothing pinned).
@@ -290,10 +299,9 @@ def keep_off_worker_cores() -> list[int]:
     its worker's core for seconds at a time; pinned, the floors agreed within 3%. A direct test
     in one engine (``scheduler_pinning.py``) found no difference, so that cause is not
     established; the pinning stays, as vLLM means the reserved core to be used."""
-    _, workers, _ = _engine_processes()
-    busy = set().union(*(os.sched_getaffinity(w.pid) for w in workers)) if workers else set()
+    busy = worker_cores()
     free = sorted(ALLOWED_CPUS - busy)
-    if not workers or not free:
+    if not busy or not free:
         return []
     pin_schedulers(free)
     return free
@@ -338,7 +346,7 @@ def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_
     """Decode speed from the prefix cache, MAGICPIG's index built, for each batch size."""
     rows = []
     prompts = [distinct_prompt(tok, ctx, seed=1000 + ctx + i) for i in range(max(batches))]
-    prefill_s = in_turn({n: (lambda llm=llm, p=prompts: _timed_generate(llm, p, 1)) for n, llm in llms.items()}, 1)
+    prefill_s = generate_in_turn(llms, prompts, 1, 1)
     for b in batches:
         first_s, warm_runs, build_s = warm_up(llms["MAGICPIG"], prompts[:b])
         timed = decode_seconds(llms, prompts[:b], decode_tokens)

@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     if not pinned:
         print("the worker holds every core: nothing to compare")
         return 1
-    _, workers, others = e2e_decode._engine_processes()
-    worker_cores = set().union(*(e2e_decode.os.sched_getaffinity(w.pid) for w in workers))
+    _, _, others = e2e_decode._engine_processes()
+    worker_cores = e2e_decode.worker_cores()
     scheduler = next(p for p in others if p.name().startswith("VLLM::EngineCore"))
     prompt = passkey.build(llm.get_tokenizer(), args.context, seed=5, depth=0.5).text
     e2e_decode._timed_generate(llm, [prompt], 1)  # prefill once; the timed runs hit the prefix cache
