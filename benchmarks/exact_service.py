@@ -100,6 +100,9 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
     with set_current_vllm_config(cfg):
         builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),
                     "CPU_ATTN": CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))}
+        # One cache serves both, in the layout MAGICPIG's builder chose: on an AMX CPU, vLLM's would
+        # pick "amx" and read that cache as AMX tiles (SIGILL in a process without AMX state).
+        builders["CPU_ATTN"].isa = builders["MAGICPIG"].isa
         args = (H, D, D**-0.5, HKV, None, None, "auto")
         impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
                  "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}

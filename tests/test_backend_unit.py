@@ -74,6 +74,10 @@ class Harness:
         with set_current_vllm_config(vllm_config):
             self.mp_builder = MagicPigMetadataBuilder(kv_spec, names, vllm_config, torch.device("cpu"))
             self.ref_builder = CPUAttentionMetadataBuilder(kv_spec, names, vllm_config, torch.device("cpu"))
+            # The cache below is written in the "vec" layout. On a CPU with AMX tiles vLLM's builder
+            # picks "amx", whose kernel would read that cache as AMX tiles (and, in a process that
+            # has not asked Linux for the AMX state, dies of SIGILL), so the reference reads "vec".
+            self.ref_builder.isa = "vec"
             args = (H, D, D**-0.5, HKV, None, None, "auto")
             self.mp_impls = {n: MagicPigImpl(*args) for n in names}
             self.ref_impl = CPUAttentionBackendImpl(*args)
