@@ -151,6 +151,7 @@ struct Scratch {
   std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
   std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)
   std::vector<float> row_f32;            // one K or V row converted to fp32
+  std::vector<int64_t> elem_off;         // [2][d] a tiled cache's offsets of K's, V's elements j
 };
 
 // Rows ahead of the current one whose lines are prefetched in the row loops.
@@ -206,7 +207,9 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys);
 // Whether the cache keeps K column-major per block (vLLM's CPU layout: a block's tokens side by
 // side for each element j), so dense_scores_* read a dense unit's q.k straight from it.
-inline bool keys_column_major(const AttnArgs& args) { return args.ks[1] == 1 && args.ks[3] != 1; }
+inline bool keys_column_major(const AttnArgs& args) {
+  return args.ks[1] == 1 && args.ks[3] != 1 && !args.kt.tiled(args.block_size, args.d);
+}
 // q.k of the unit's G heads with its dense tokens, read from column-major K: head g's score of
 // token i into scratch.scores[g * n + i] (the compact layout attend reads for a dense tile), 8
 // tokens per vector and no K tile.  The scalar twin sums each score in the same order, j = 0..d-1.

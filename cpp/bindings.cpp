@@ -231,7 +231,10 @@ PYBIND11_MODULE(_C, m) {
         require(L_read >= 2 && L_read <= L,
                 std::string(fn) + ": L_read must be in 2..L (" + num(L) + ") or 0 for L, got " + num(L_read));
         check_dtype(fn, dtype);
-        require(ks.size() == 4 && vs.size() == 4, std::string(fn) + ": cache strides must have 4 entries");
+        // 4 strides (block, slot, head, dim), or 8: those and the tiling (slot group, its stride, dim
+        // group, its stride) of a tiled cache (AttnArgs::CacheTiles).
+        require((ks.size() == 4 || ks.size() == 8) && vs.size() == ks.size(),
+                std::string(fn) + ": cache strides must have 4 or 8 entries, the same for K and V");
         require(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
         require(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
         require(segs.size() == static_cast<size_t>(R),
@@ -286,6 +289,14 @@ PYBIND11_MODULE(_C, m) {
           a.ks[i] = ks[i];
           a.vs[i] = vs[i];
         }
+        auto tiles = [&](const std::vector<int64_t>& s, const char* name) {
+          if (s.size() == 4) return AttnArgs::CacheTiles{block_size, 0, d, 0};
+          require(s[4] >= 1 && s[6] >= 1,
+                  std::string(fn) + ": " + name + " tile sizes must be >= 1, got " + num(s[4]) + ", " + num(s[6]));
+          return AttnArgs::CacheTiles{s[4], s[5], s[6], s[7]};
+        };
+        a.kt = tiles(ks, "ks");
+        a.vt = tiles(vs, "vs");
         a.block_table = ptr<const int32_t>(bt);
         a.max_blocks = max_blocks;
         a.block_size = block_size;

@@ -293,10 +293,20 @@ struct AttnArgs {
   const float* w;               // [d][K*L] projection, when qcodes is null
   const float* const* centres;  // [R] -> [hkv][d] float centre (null: request without segments)
   const std::vector<std::vector<SegmentPtr>>* segs;
-  const uint16_t* kc;  // paged caches, element strides (block, slot, head, dim)
+  // Paged caches, element strides (block, slot, head, dim), and each cache's tiling (CacheTiles):
+  // element (slot t, dim j) of a (block, head) is at (t / tg) * t_outer + (t % tg) * s[1] +
+  // (j / jg) * j_outer + (j % jg) * s[3].  An untiled cache has tg >= block_size, jg >= d.
+  const uint16_t* kc;
   int64_t ks[4];
   const uint16_t* vc;
   int64_t vs[4];
+  struct CacheTiles {
+    int64_t tg, t_outer, jg, j_outer;
+    bool tiled(int block_size, int d) const { return tg < block_size || jg < d; }
+    int64_t slot(int t, const int64_t* s) const { return (t / tg) * t_outer + (t % tg) * s[1]; }
+    int64_t elem(int j, const int64_t* s) const { return (j / jg) * j_outer + (j % jg) * s[3]; }
+  };
+  CacheTiles kt, vt;
   const int32_t* block_table;
   int max_blocks, block_size;
   const int32_t* ranges;  // [R][2][2]

@@ -81,7 +81,8 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 // The unit's dense tokens as row-major K and V tiles, a run of tokens inside one block at a time.
 // Rows that are not contiguous in the cache (a column-major K whose q.k is not read in place by
 // dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
-// element per (token, j).
+// element per (token, j).  A tiled cache (AMX's) is read element by element through its offsets,
+// token-major: a tile's 16 tokens of K share its cache lines, so they stay in L1 across the tokens.
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
   const int d = args.d, nr = unit.end - unit.begin;
   if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
@@ -96,14 +97,38 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
       }
     }
   };
+  // src: the (block, head) base; off: the run's first slot in the block.
+  auto copy_tiled = [d](const uint16_t* src, const int64_t* st, const AttnArgs::CacheTiles& tl, int off, int run,
+                        const int64_t* elem, uint16_t* dst) {
+    for (int t = 0; t < run; ++t) {
+      const uint16_t* row = src + tl.slot(off + t, st);
+      for (int j = 0; j < d; ++j) dst[static_cast<size_t>(t) * d + j] = row[elem[j]];
+    }
+  };
+  const bool k_tiled = args.kt.tiled(args.block_size, d), v_tiled = args.vt.tiled(args.block_size, d);
+  scratch.elem_off.resize(2 * static_cast<size_t>(d));
+  int64_t *kelem = scratch.elem_off.data(), *velem = kelem + d;
+  for (int j = 0; j < d; ++j) {
+    kelem[j] = args.kt.elem(j, args.ks);
+    velem[j] = args.vt.elem(j, args.vs);
+  }
   for (int i = 0, run; i < nr; i += run) {
     const BlockRun b = block_run(args, unit, i);
     run = b.run;
-    if (keys)
-      copy_run(args.kc + b.blk * args.ks[0] + b.off * args.ks[1] + unit.kvh * args.ks[2], args.ks, run,
-               scratch.ktile.data() + static_cast<size_t>(i) * d);
-    copy_run(args.vc + b.blk * args.vs[0] + b.off * args.vs[1] + unit.kvh * args.vs[2], args.vs, run,
-             scratch.vtile.data() + static_cast<size_t>(i) * d);
+    uint16_t* kdst = scratch.ktile.data() + static_cast<size_t>(i) * d;
+    uint16_t* vdst = scratch.vtile.data() + static_cast<size_t>(i) * d;
+    const uint16_t* kbase = args.kc + b.blk * args.ks[0] + unit.kvh * args.ks[2];
+    const uint16_t* vbase = args.vc + b.blk * args.vs[0] + unit.kvh * args.vs[2];
+    if (keys) {
+      if (k_tiled)
+        copy_tiled(kbase, args.ks, args.kt, b.off, run, kelem, kdst);
+      else
+        copy_run(kbase + b.off * args.ks[1], args.ks, run, kdst);
+    }
+    if (v_tiled)
+      copy_tiled(vbase, args.vs, args.vt, b.off, run, velem, vdst);
+    else
+      copy_run(vbase + b.off * args.vs[1], args.vs, run, vdst);
   }
 }
 

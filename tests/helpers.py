@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_magicpig.kv_layout import CpuVecLayout
+from vllm_magicpig.kv_layout import CpuVecLayout, logical_blocks
 
 
 def to_paged(contexts, block_size, spare_blocks=3, generator=None, layout=None):
@@ -32,8 +32,10 @@ def to_paged(contexts, block_size, spare_blocks=3, generator=None, layout=None):
             bt[r, b] = phys
             lo, hi = b * block_size, min(k.shape[0], (b + 1) * block_size)
             if hi > lo:
-                views.key[phys, : hi - lo] = k[lo:hi]
-                views.value[phys, : hi - lo] = v[lo:hi]
+                for view, rows in ((views.key, k), (views.value, v)):
+                    block = logical_blocks(view, torch.tensor([phys]))[0]  # [block_size, Hkv, D]
+                    block[: hi - lo] = rows[lo:hi]
+                    view[phys].copy_(block.view(view.shape[1:]))  # the layout's own (maybe tiled) axes
     return views.key, views.value, bt, cache
 
 

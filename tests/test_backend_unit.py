@@ -48,9 +48,9 @@ def vllm_env(model_path):
 class MockLayer:
     """The attributes of vLLM's Attention layer that the CPU impls read."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, isa: str = "vec") -> None:
         self.layer_name = name
-        self.isa = "vec"
+        self.isa = isa
         self._k_scale_float = 1.0
         self._v_scale_float = 1.0
 
@@ -58,7 +58,10 @@ class MockLayer:
 class Harness:
     """A paged cache holding each request's context, and both backends over it."""
 
-    def __init__(self, vllm_config, spec: BatchSpec, gen: torch.Generator, num_blocks: int | None = None) -> None:
+    def __init__(self, vllm_config, spec: BatchSpec, gen: torch.Generator, num_blocks: int | None = None,
+                 isa: str = "vec") -> None:
+        from unittest import mock
+
         from vllm.config import set_current_vllm_config
         from vllm.v1.attention.backends.cpu_attn import (
             CPUAttentionBackendImpl,
@@ -68,16 +71,15 @@ class Harness:
 
         from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
 
-        self.cfg, self.spec, self.gen = vllm_config, spec, gen
+        self.cfg, self.spec, self.gen, self.isa = vllm_config, spec, gen, isa
         kv_spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
         names = [SPARSE_LAYER, DENSE_LAYER]
-        with set_current_vllm_config(vllm_config):
+        # vLLM's builders choose the cache layout (ISA) from the CPU: "amx" where it has AMX tiles,
+        # else "vec". The harness writes its cache in ``isa``'s layout, so both builders are given it.
+        with set_current_vllm_config(vllm_config), \
+                mock.patch("vllm.v1.attention.backends.cpu_attn._get_attn_isa", return_value=isa):
             self.mp_builder = MagicPigMetadataBuilder(kv_spec, names, vllm_config, torch.device("cpu"))
             self.ref_builder = CPUAttentionMetadataBuilder(kv_spec, names, vllm_config, torch.device("cpu"))
-            # The cache below is written in the "vec" layout. On a CPU with AMX tiles vLLM's builder
-            # picks "amx", whose kernel would read that cache as AMX tiles (and, in a process that
-            # has not asked Linux for the AMX state, dies of SIGILL), so the reference reads "vec".
-            self.ref_builder.isa = "vec"
             args = (H, D, D**-0.5, HKV, None, None, "auto")
             self.mp_impls = {n: MagicPigImpl(*args) for n in names}
             self.ref_impl = CPUAttentionBackendImpl(*args)
@@ -110,7 +112,7 @@ class Harness:
         kc, vc = self.cache.view(nb, HKV, 2 * BS, D).chunk(2, dim=2)
         if hi > lo:
             ops.cpu_attn_reshape_and_cache(self.keys[r][lo:hi], self.values[r][lo:hi], kc, vc,
-                                           self.slots(r, lo, hi), "vec")
+                                           self.slots(r, lo, hi), self.isa)
 
     def common_metadata(self):
         from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -147,8 +149,8 @@ class Harness:
             ref_meta = self.ref_builder.build(0, cam)
             out = torch.full((n, H, D), float("nan"), dtype=torch.bfloat16)
             ref = torch.full((n, H, D), float("nan"), dtype=torch.bfloat16)
-            self.mp_impls[layer].forward(MockLayer(layer), query, key, value, self.cache, mp_meta, out)
-            self.ref_impl.forward(MockLayer(layer), query, key, value, self.cache, ref_meta, ref)
+            self.mp_impls[layer].forward(MockLayer(layer, self.isa), query, key, value, self.cache, mp_meta, out)
+            self.ref_impl.forward(MockLayer(layer, self.isa), query, key, value, self.cache, ref_meta, ref)
         return out.float(), ref.float(), mp_meta
 
     def stats(self) -> dict:
@@ -159,17 +161,32 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def harness(vllm_env, spec, num_blocks=None, **magicpig) -> Harness:
+def harness(vllm_env, spec, num_blocks=None, isa="vec", **magicpig) -> Harness:
     # These cases decode without a prefill step first; test_background_index.py covers the indexer.
     magicpig.setdefault("background_index", False)
-    return Harness(vllm_env(**magicpig), spec, torch.Generator().manual_seed(SEED), num_blocks)
+    return Harness(vllm_env(**magicpig), spec, torch.Generator().manual_seed(SEED), num_blocks, isa)
+
+
+def amx_isa() -> str:
+    """"amx" on a CPU with AMX tiles, with this process granted their state (an engine's oneDNN
+    matmuls ask Linux for it before attention first runs; these tests call vLLM's AMX kernel
+    directly, and without it the first tile instruction dies of SIGILL); else a skip."""
+    if not torch.cpu._is_amx_tile_supported() or not torch.cpu._init_amx():
+        pytest.skip("vLLM picks its AMX cache layout only on CPUs with AMX tiles; this one has none")
+    return "amx"
+
+
+@pytest.fixture(params=["vec", "amx"])
+def isa(request) -> str:
+    """Both of vLLM's x86 CPU cache layouts MAGICPIG reads: "vec", and "amx" where the CPU has it."""
+    return amx_isa() if request.param == "amx" else "vec"
 
 
 # --------------------------------------------------------------------------- exact paths
 
 
-def test_short_contexts_are_served_by_the_platform_kernel(vllm_env):
-    h = harness(vllm_env, BatchSpec([300, 700, 900], [1, 1, 1]))
+def test_short_contexts_are_served_by_the_platform_kernel(vllm_env, isa):
+    h = harness(vllm_env, BatchSpec([300, 700, 900], [1, 1, 1]), isa=isa)
     out, ref, meta = h.step()
     assert torch.equal(out, ref)  # the same kernel, the same cache
     st = h.stats()
@@ -177,8 +194,8 @@ def test_short_contexts_are_served_by_the_platform_kernel(vllm_env):
     assert meta.sparse_plan.sparse == []
 
 
-def test_dense_layer_is_served_by_the_platform_kernel(vllm_env):
-    h = harness(vllm_env, BatchSpec([3000, 2200], [1, 1]))
+def test_dense_layer_is_served_by_the_platform_kernel(vllm_env, isa):
+    h = harness(vllm_env, BatchSpec([3000, 2200], [1, 1]), isa=isa)
     out, ref, _ = h.step(layer=DENSE_LAYER)
     assert torch.equal(out, ref)
     st = h.stats()
@@ -188,11 +205,12 @@ def test_dense_layer_is_served_by_the_platform_kernel(vllm_env):
 # --------------------------------------------------------------------------- sparse decode
 
 
-def test_pure_decode_is_sampled_and_near_exact_when_nearly_every_key_is_sampled(vllm_env):
+def test_pure_decode_is_sampled_and_near_exact_when_nearly_every_key_is_sampled(vllm_env, isa):
     """K=1: a key collides in >= 2 of L=64 one-bit tables almost surely (u ~ 1), so the estimator
     attends nearly every key with a ~0 correction: it must match CPU_ATTN, and the counters
     must show it was MAGICPIG that served the step."""
-    h = harness(vllm_env, BatchSpec([3000, 1500, 2600], [1, 1, 1]), K=1, L=64)
+    h = harness(vllm_env, BatchSpec([3000, 1500, 2600], [1, 1, 1]), isa=isa, K=1, L=64)
+    assert h.runtime.layout.name == {"vec": "cpu_vec", "amx": "cpu_amx"}[isa]  # vLLM's layout, kept
     out, ref, meta = h.step()
     assert meta.sparse_plan.sparse == [0, 1, 2]
     st = h.stats()
@@ -221,10 +239,10 @@ def test_an_int8_mirror_halves_the_mirror_and_stays_near_exact(vllm_env):
     assert held["int8"] * (4 * D + 4) == held["auto"] * (2 * D + 12), held
 
 
-def test_pure_decode_at_default_budget_samples_few_keys(vllm_env):
+def test_pure_decode_at_default_budget_samples_few_keys(vllm_env, isa):
     """The default (K, L) samples a few percent of the keys: the output is an estimate (its
     accuracy against the float64 estimator is test_decode_path's), not exact attention."""
-    h = harness(vllm_env, BatchSpec([4000, 3000], [1, 1]))
+    h = harness(vllm_env, BatchSpec([4000, 3000], [1, 1]), isa=isa)
     out, ref, _ = h.step(query_scale=2.0)
     st = h.stats()
     assert st["decode_sparse"] == 2 and 0 < st["sampled_fraction"] < 0.2, st
@@ -234,10 +252,10 @@ def test_pure_decode_at_default_budget_samples_few_keys(vllm_env):
         assert rel_err(out[r], ref[r]) > 1e-3, r  # sampled, so not the exact output
 
 
-def test_mixed_decode_and_prefill(vllm_env):
+def test_mixed_decode_and_prefill(vllm_env, isa):
     """Decodes first (the builder's reorder threshold): prefill rows are CPU_ATTN's, decode rows
     are sampled."""
-    h = harness(vllm_env, BatchSpec([3000, 2100, 600, 1400], [1, 1, 37, 200]), K=1, L=64)
+    h = harness(vllm_env, BatchSpec([3000, 2100, 600, 1400], [1, 1, 37, 200]), isa=isa, K=1, L=64)
     out, ref, meta = h.step()
     assert meta.num_decodes == 2 and meta.num_prefills == 2
     # MAGICPIG hands vLLM's kernel the prefill part of the batch, the reference the whole batch.
@@ -264,10 +282,10 @@ def test_index_over_its_cap_serves_exactly_and_says_why(vllm_env):
         assert rel_err(out[r], ref[r]) < 1e-2
 
 
-def test_kv_write_into_an_indexed_block_drops_what_was_built_from_it(vllm_env):
+def test_kv_write_into_an_indexed_block_drops_what_was_built_from_it(vllm_env, isa):
     """vLLM reuses freed blocks: a write into a block a segment covers must invalidate the
     segment and the centre, and the next decode must index the new content."""
-    h = harness(vllm_env, BatchSpec([3000], [1]), K=1, L=64)
+    h = harness(vllm_env, BatchSpec([3000], [1]), isa=isa, K=1, L=64)
     h.step()
     st = h.stats()
     assert st["index"]["segments_built"] == 1 and st["index"]["segments_live"] == 1, st
@@ -287,11 +305,11 @@ def test_kv_write_into_an_indexed_block_drops_what_was_built_from_it(vllm_env):
     assert rel_err(out[0], ref[0]) < 2e-2  # stale segments would give the old keys' attention
 
 
-def test_growth_merges_instead_of_rebuilding(vllm_env):
+def test_growth_merges_instead_of_rebuilding(vllm_env, isa):
     """Decoding past segment_tokens boundaries indexes only the new tokens: the decoded tokens get a
     segment of their own, which then grows by merging, while the prompt's segment stays as it was
     (shared by every request over the prompt): nothing of the prompt is hashed again."""
-    h = harness(vllm_env, BatchSpec([2000], [1]), K=1, L=64, segment_tokens=256, num_blocks=None)
+    h = harness(vllm_env, BatchSpec([2000], [1]), isa=isa, K=1, L=64, segment_tokens=256, num_blocks=None)
     h.step()  # the prompt's segment: tokens [4, 1792)
     h.keys[0] = torch.cat([h.keys[0], (torch.randn(560, HKV, D, generator=h.gen) + h.offset).bfloat16()])
     h.values[0] = torch.cat([h.values[0], torch.randn(560, HKV, D, generator=h.gen).bfloat16()])

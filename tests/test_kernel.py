@@ -16,7 +16,7 @@ import torch
 
 from vllm_magicpig import kernel as kx
 from vllm_magicpig.eval import reference as ref
-from vllm_magicpig.kv_layout import FlashLayout
+from vllm_magicpig.kv_layout import CpuAmxLayout, FlashLayout
 
 from helpers import to_paged
 
@@ -240,6 +240,26 @@ def test_row_major_cache_matches_reference(name, force_scalar):
     case = Case(gen, lens, hkv, G, D, K, L, layout=FlashLayout(), **extra)
     assert case.kview.stride(-1) == 1  # K rows contiguous: not the column-major path
     check_case(case, seed, force_scalar, f"{name} row-major K")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("force_scalar", PATHS)
+def test_amx_tiled_cache_matches_reference_and_row_major(name, force_scalar):
+    """The same estimator over vLLM's AMX cache layout (K and V in bf16-pair tiles, read through a
+    6-D view): dense tokens are gathered element by element through the tiles' offsets into the
+    same row-major tiles a row-major cache gives, so the output is bit for bit the row-major
+    layout's over the same values (the same seed writes the same cache contents), and within the
+    float64 reference's tolerance."""
+    seed, gen = new_seed()
+    lens, hkv, G, D, K, L, extra = CONFIGS[name]
+    extra = {**extra, "block_size": max(32, extra.get("block_size", 16))}  # vLLM's AMX blocks: multiples of 32
+    case = Case(gen, lens, hkv, G, D, K, L, layout=CpuAmxLayout(), **extra)
+    assert case.kview.dim() == 6 and case.vview.dim() == 6
+    out, lse, cnt = check_case(case, seed, force_scalar, f"{name} AMX tiles")
+    row_major = Case(torch.Generator().manual_seed(seed), lens, hkv, G, D, K, L, layout=FlashLayout(), **extra)
+    r_out, r_lse, r_cnt = row_major.run(force_scalar)
+    assert torch.equal(cnt, r_cnt), f"seed={seed}"
+    assert torch.equal(out, r_out) and torch.equal(lse, r_lse), f"seed={seed}: AMX tiles differ from row-major"
 
 
 @pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c[2] > 4])

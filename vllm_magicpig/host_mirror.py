@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_magicpig.kv_layout import KVViews
+from vllm_magicpig.kv_layout import KVViews, logical_blocks
 from vllm_magicpig.stats import Stats
 
 
@@ -58,8 +58,8 @@ class SyncCopyEngine:
 
     def copy_blocks(self, kv, blocks, dst_k, dst_v):
         idx = torch.tensor(blocks, dtype=torch.long, device=kv.key.device)
-        dst_k.copy_(kv.key.index_select(0, idx))
-        dst_v.copy_(kv.value.index_select(0, idx))
+        dst_k.copy_(logical_blocks(kv.key, idx))
+        dst_v.copy_(logical_blocks(kv.value, idx))
         return _Done()
 
     def order_after(self, event):
@@ -83,8 +83,8 @@ class CudaCopyEngine:
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             idx = torch.tensor(blocks, dtype=torch.long).to(kv.key.device, non_blocking=True)
-            dst_k.copy_(kv.key.index_select(0, idx), non_blocking=True)
-            dst_v.copy_(kv.value.index_select(0, idx), non_blocking=True)
+            dst_k.copy_(logical_blocks(kv.key, idx), non_blocking=True)
+            dst_v.copy_(logical_blocks(kv.value, idx), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
@@ -152,7 +152,7 @@ class HostMirror:
         """Enqueue this layer's copies of the step's blocks (after the step's KV write)."""
         if not self._to_copy:
             return
-        bs, hkv, d = kv.key.shape[1:]
+        bs, hkv, d = kv.block_size, kv.num_kv_heads, kv.head_dim
         slot_bytes = 2 * bs * hkv * d * kv.key.element_size()
         blocks = [b for b in self._to_copy if (layer, b) not in self._rows]
         room = self._make_room(len(blocks) * slot_bytes, slot_bytes)

@@ -378,7 +378,7 @@ def magicpig_decode_attention(query, projection, centres, segments, key_cache, v
         raise TypeError(f"centres must be a list of R float32 [Hkv, D] tensors or None, got {type(centres).__name__}")
 
     def shapes(R, H):
-        D, hkv = query.shape[2], key_cache.shape[2]
+        D, hkv = query.shape[2], _cache_axes("key_cache", key_cache)[0][2]
         proj = _check_projection(projection, D, K, L)
         if len(centres) != R:
             raise ValueError(f"centres must have R={R} entries, got {len(centres)}")
@@ -420,12 +420,15 @@ def _decode(query, query_inputs, segments, key_cache, value_cache, block_table, 
         raise ValueError(f"query must have shape [R, H, D], got {list(query.shape)}")
     R, H, D = query.shape
     _check_head_dim(D)
-    if key_cache.dim() != 4:
-        raise ValueError(f"key_cache must be a 4-D view [num_blocks, block_size, Hkv, D], got {list(key_cache.shape)}")
-    num_blocks, block_size, hkv, Dk = key_cache.shape
+    (num_blocks, block_size, hkv, Dk), k_strides = _cache_axes("key_cache", key_cache)
     if Dk != D:
         raise ValueError(f"key_cache head_dim {Dk} != query head_dim {D}")
-    _shape("value_cache", value_cache, tuple(key_cache.shape))
+    v_shape, v_strides = _cache_axes("value_cache", value_cache)
+    if v_shape != (num_blocks, block_size, hkv, Dk):
+        raise ValueError(f"value_cache is {list(v_shape)} as [num_blocks, block_size, Hkv, D], key_cache "
+                         f"{[num_blocks, block_size, hkv, Dk]}")
+    if len(k_strides) != len(v_strides):
+        raise ValueError("key_cache and value_cache must both be 4-D or both 6-D views")
     _dtype("key_cache", key_cache, tuple(_DTYPE_CODE))
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache dtype {value_cache.dtype} must match key_cache dtype {key_cache.dtype}")
@@ -476,14 +479,29 @@ def _decode(query, query_inputs, segments, key_cache, value_cache, block_table, 
     o = out if direct else torch.empty(R, H, D, dtype=torch.float32)
     sampled = _C.sparse_decode(R, H, hkv, D, K, L, _DTYPE_CODE[key_cache.dtype], float(scale), q.data_ptr(),
                                _Q_CODE[query.dtype], qc_ptr, qdc_ptr, w_ptr, centre_ptrs, seg_c,
-                               key_cache.data_ptr(), list(key_cache.stride()), value_cache.data_ptr(),
-                               list(value_cache.stride()), bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
+                               key_cache.data_ptr(), k_strides, value_cache.data_ptr(),
+                               v_strides, bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
                                o.data_ptr(), _OUT_CODE[o.dtype], 0 if lse is None else lse.data_ptr(),
                                0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt,
                                L_read)
     if not direct:
         out.copy_(o)
     return sampled
+
+
+def _cache_axes(name, view) -> tuple[tuple[int, int, int, int], list[int]]:
+    """A cache view's logical shape ``(num_blocks, block_size, Hkv, D)`` and the strides the native
+    call reads: a 4-D view's own, or for a 6-D one (``[blocks, slots / a, a, Hkv, D / b, b]``, a
+    tiled layout such as vLLM's AMX cache) the inner strides, then the tiles (a, the stride of a
+    slot tile, b, the stride of an element tile)."""
+    if view.dim() == 4:
+        return tuple(view.shape), list(view.stride())
+    if view.dim() == 6:
+        nb, t1, t2, hkv, d1, d2 = view.shape
+        sb, st1, st2, sh, sd1, sd2 = view.stride()
+        return (nb, t1 * t2, hkv, d1 * d2), [sb, st2, sh, sd2, t2, st1, d2, sd1]
+    raise ValueError(f"{name} must be a 4-D view [num_blocks, block_size, Hkv, D] or a 6-D tiled one "
+                     f"[num_blocks, block_size / a, a, Hkv, D / b, b], got {list(view.shape)}")
 
 
 def _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks) -> None:
