@@ -251,7 +251,8 @@ def magicpig_fields(st: dict, batch: int, ctx: int, layers: int, build_s: float)
                 bytes_per_token=bytes_per_token(st, batch * ctx), sparse_kernel_s=st["sparse_seconds"],
                 sparse_ms_per_step=sparse_ms_per_step(st, batch, layers),
                 dense_layers=dense_layers_per_step(st, batch, layers), layers=layers,
-                cost_model=st.get("cost_model"))  # its per-layer timings in the engine (cost_model.py)
+                cost_model=st.get("cost_model"),  # its per-layer timings in the engine (cost_model.py)
+                kv_layout=st.get("kv_layout"))  # vLLM's cache layout: "cpu_amx" runs vLLM's AMX kernel
 
 
 def kv_space_gib(contexts, batches, extra_tokens: int, kv_bpt: int) -> int:
@@ -412,7 +413,8 @@ def _cold(llm, backend, tok, ctx, cold_tokens, seed):
         st = _stats(llm)
         row.update(sampled_fraction=st["sampled_fraction"], index_build_s=round(st["build_seconds"], 2),
                    decode_sparse=st["decode_sparse"], decode_exact=st["decode_exact"],
-                   cost_model=st.get("cost_model"))  # what decided whether to defer this prompt's index
+                   cost_model=st.get("cost_model"),  # what decided whether to defer this prompt's index
+                   kv_layout=st.get("kv_layout"))
     print(json.dumps(row), flush=True)
     return row
 
@@ -621,7 +623,8 @@ def main(argv=None) -> int:
         f"({time.strftime('%Y-%m-%d')})",
         "",
         f"K={args.K}, L={args.L}, mirror_dtype {args.mirror_dtype}, {shape}, enforce_eager, {os.cpu_count()} cores, "
-        f"kernel path {active_isa()}; "
+        f"kernel path {active_isa()}, vLLM's KV cache layout {sorted({str(r.get('kv_layout')) for r in rows})} "
+        "(vLLM's CPU attention, MAGICPIG's prefill and exact decodes run the kernel of that layout's ISA); "
         "threads `default` = vLLM's binding (1 core for the worker here), `all` = every core. Both engines alive "
         "at once, timed in turn (ABBA); the engines' schedulers pinned to the cores their workers are not bound to: "
         f"{sorted({str(r.get('scheduler_cores')) for r in rows if 'scheduler_cores' in r})}.",

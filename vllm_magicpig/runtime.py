@@ -54,6 +54,9 @@ class MagicPigRuntime:
         self.ops.set_memory_cap(self.cap_bytes)
         self.ops.set_mirror_dtype(cfg.mirror_dtype)
         self.stats.add_section("memory_pool", self.ops.memory_pool_stats)
+        # Which of vLLM's cache layouts this worker reads ("cpu_vec", "cpu_amx", "flash"): the
+        # benchmarks record it beside their times, since vLLM's own kernel speed depends on it.
+        self.stats.add_section("kv_layout", lambda: {"kv_layout": self.layout.name})
         self.cost = DecodeCostModel() if cfg.cost_model else None
         if self.cost is not None:
             self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()})
