@@ -103,6 +103,12 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
         # One cache serves both, in the layout MAGICPIG's builder chose: on an AMX CPU, vLLM's would
         # pick "amx" and read that cache as AMX tiles (SIGILL in a process without AMX state).
         builders["CPU_ATTN"].isa = builders["MAGICPIG"].isa
+        for layer in layers:  # the KV write's layout, as vLLM sets it on its layers
+            layer.isa = builders["MAGICPIG"].isa
+        if builders["MAGICPIG"].isa == "amx":
+            # An engine's oneDNN matmuls ask Linux for the AMX state before attention first runs;
+            # this process runs vLLM's AMX kernel with no matmul before it.
+            torch.cpu._init_amx()
         args = (H, D, D**-0.5, HKV, None, None, "auto")
         impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
                  "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}

@@ -23,9 +23,10 @@ built with ``mirror="int8"`` (same codes, so the same sampled keys), the two mir
 And the gather is also measured against vLLM's own cache layout (a K row there is one cache line
 per element): what reading sampled rows from the paged cache, instead of a mirror, would reach.
 
-Exact attention runs through vLLM's own CPU decode kernel (ops.cpu_attention_with_kv_cache, "vec"
-layout, the same paged cache the MagicPIG kernel reads its dense tokens from) when vLLM imports,
-plus torch SDPA on bf16.  The float64 torch reference runs at the smallest size only.
+Exact attention runs through vLLM's own CPU decode kernel (ops.cpu_attention_with_kv_cache, in the
+cache layout vLLM picks on this CPU: "amx" where it has AMX tiles, else "vec"; ``--layout`` overrides;
+the same paged cache the MagicPIG kernel reads its dense tokens from) when vLLM imports, plus torch
+SDPA on bf16.  The float64 torch reference runs at the smallest size only.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_magicpig import kernel as kx  # noqa: E402
 from vllm_magicpig.eval import reference as ref  # noqa: E402
+from vllm_magicpig.kv_layout import CpuAmxLayout, CpuVecLayout  # noqa: E402
 
 SINKS, WINDOW, TAIL, SEG_MAX, BLOCK = 4, 64, 100, 32768, 128
 CONFIGS = ((64, 3, 3), (128, 8, 4))  # (head_dim, KV heads, query heads per KV head)
@@ -125,6 +127,18 @@ def paged_gather_roofs(head_dims, threads):
             for d in head_dims}
 
 
+LAYOUTS = {"vec": CpuVecLayout, "amx": CpuAmxLayout}
+
+
+def vllm_isa(ops, choice: str) -> str:
+    """The layout to run: vLLM's choice on this CPU ("amx" with AMX tiles, granted here as an engine's
+    oneDNN matmuls would have them granted before attention), or ``choice`` when not "auto"."""
+    amx = ops is not None and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()
+    if choice == "amx" and not amx:
+        raise SystemExit("--layout amx: this CPU has no AMX tiles (or vLLM did not import)")
+    return choice if choice != "auto" else ("amx" if amx else "vec")
+
+
 def load_vllm():
     try:
         import vllm._custom_ops as ops  # noqa: F401
@@ -144,7 +158,7 @@ def make_context(n, hkv, D, gen):
     return keys, vals, off
 
 
-def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
+def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen, isa="vec"):
     H = hkv * G
     scale = D ** -0.5
     keys, vals, off = make_context(n, hkv, D, gen)
@@ -175,18 +189,18 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     build_s = time.perf_counter() - t0
     index_b = sum(s.index_bytes for s in segs)
 
-    # vLLM CPU paged cache ("vec" layout): [blocks, Hkv, 2*BLOCK, D]; K column-major, V row-major.
+    # vLLM CPU paged cache, [blocks, Hkv, 2*BLOCK, D] in the layout of `isa` ("vec": K column-major,
+    # V row-major; "amx": both in bf16-pair tiles), read through the backend's own views.
     nb = -(-n // BLOCK)
     kv_cache = torch.zeros(nb, hkv, 2 * BLOCK, D, dtype=torch.bfloat16)
     bt = torch.randperm(nb, generator=gen).to(torch.int32).view(1, nb)
     slots = (bt[0].long().repeat_interleave(BLOCK)[:n] * BLOCK + torch.arange(n) % BLOCK)
     kcache, vcache = kv_cache.chunk(2, dim=2)
     if ops is not None:
-        ops.cpu_attn_reshape_and_cache(keys, vals, kcache, vcache, slots, "vec")
-    flat = kv_cache.view(-1)
-    kview = flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, 1, 2 * BLOCK * D, BLOCK))
-    vview = flat.as_strided((nb, BLOCK, hkv, D), (hkv * 2 * BLOCK * D, D, 2 * BLOCK * D, 1), BLOCK * D)
-    if ops is None:  # same layout by hand
+        ops.cpu_attn_reshape_and_cache(keys, vals, kcache, vcache, slots, isa)
+    views = LAYOUTS[isa]().views(kv_cache.view(nb, hkv, BLOCK, 2 * D))
+    kview, vview = views.key, views.value
+    if ops is None:  # the "vec" layout by hand
         kview[slots // BLOCK, slots % BLOCK] = keys
         vview[slots // BLOCK, slots % BLOCK] = vals
 
@@ -264,7 +278,7 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen):
     if ops is not None:
         qsl = torch.tensor([0, 1], dtype=torch.int32)
         seq = torch.tensor([n], dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(1, H, hkv, D, seq, torch.bfloat16, qsl, True, -1, "vec", False)
+        meta = ops.cpu_attn_get_scheduler_metadata(1, H, hkv, D, seq, torch.bfloat16, qsl, True, -1, isa, False)
         vout = torch.empty(1, H, D, dtype=torch.bfloat16)
 
         def vl_on(kc, vc):
@@ -312,12 +326,15 @@ def main():
     ap.add_argument("--K", type=int, default=10)
     ap.add_argument("--L", type=int, default=150)
     ap.add_argument("--sizes", type=str, default=None, help="comma-separated context lengths")
+    ap.add_argument("--layout", choices=("auto", "vec", "amx"), default="auto",
+                    help="vLLM's CPU cache layout (auto: what vLLM picks on this CPU)")
     args = ap.parse_args()
     default_sizes = [4096, 16384] if args.quick else [8192, 32768, 131072]
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
     reps = 5 if args.quick else 20
     gen = torch.Generator().manual_seed(1234)
     ops = load_vllm()
+    isa = vllm_isa(ops, args.layout)
     bw = copy_bandwidth()
     # A token's K and V rows, 4*D bytes, are what a sampled key costs the kernel (about 2*D with int8 rows).
     roof = gather_roofs(sorted({b * D for D, _, _ in CONFIGS for b in (2, 4)}), torch.get_num_threads())
@@ -327,12 +344,12 @@ def main():
     print("# the same tokens' K and V rows read from vLLM's paged CPU cache (K column-major per block) instead of "
           "the mirror: " + ", ".join(f"head_dim {d} {g:.2f} GB/s ({100 * g / roof[4 * d]:.0f}% of the mirror's "
                                      f"{4 * d} B rows)" for d, g in paged.items()))
-    print(f"# isa={kx.active_isa()} threads={torch.get_num_threads()} copy bandwidth={bw:.1f} GB/s "
-          f"K={args.K} L={args.L}")
+    print(f"# isa={kx.active_isa()} vLLM cache layout={isa} threads={torch.get_num_threads()} "
+          f"copy bandwidth={bw:.1f} GB/s K={args.K} L={args.L}")
     rows = []
     for D, hkv, G in CONFIGS:
         for n in sizes:
-            r = run_config(D, hkv, G, n, args.K, args.L, ops, bw, reps, with_ref=(n == sizes[0]), gen=gen)
+            r = run_config(D, hkv, G, n, args.K, args.L, ops, bw, reps, with_ref=(n == sizes[0]), gen=gen, isa=isa)
             rows.append(r)
             print(f"# done D={D} n={n}: {r['t_mp'] * 1e3:.3f} ms", flush=True)
 
