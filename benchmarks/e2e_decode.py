@@ -618,12 +618,13 @@ def main(argv=None) -> int:
         rows += [dict(r, threads=mode) for r in part]
     bind_threads("default")
 
+    layouts = sorted({r["kv_layout"] for r in rows if r.get("kv_layout")})
     lines = [
         f"Command: `python benchmarks/e2e_decode.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"({time.strftime('%Y-%m-%d')})",
         "",
         f"K={args.K}, L={args.L}, mirror_dtype {args.mirror_dtype}, {shape}, enforce_eager, {os.cpu_count()} cores, "
-        f"kernel path {active_isa()}, vLLM's KV cache layout {sorted({str(r.get('kv_layout')) for r in rows})} "
+        f"kernel path {active_isa()}, vLLM's KV cache layout {layouts} "
         "(vLLM's CPU attention, MAGICPIG's prefill and exact decodes run the kernel of that layout's ISA); "
         "threads `default` = vLLM's binding (1 core for the worker here), `all` = every core. Both engines alive "
         "at once, timed in turn (ABBA); the engines' schedulers pinned to the cores their workers are not bound to: "

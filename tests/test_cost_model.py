@@ -244,6 +244,34 @@ def test_built_at_once_where_sampling_was_never_timed_at_such_a_context():
     assert not m.index_pays(1, 8192)
 
 
+def test_one_build_explores_an_untimed_range_not_every_prompt_in_it():
+    """Sampling timed at 4K only. The first 16K prompt is built at once to explore 16K-32K; while
+    its sampled decodes go untimed, later 16K prompts wait on the extrapolated fit (ski-rental),
+    until ``reexplore_steps`` steps have passed (an AMX run built every new 16K prompt on arrival)."""
+    m = DecodeCostModel(min_steps=16, reexplore_steps=100)
+    for keys in (50, 500, 4100, 8200, 16000, 33000):
+        for _ in range(8):
+            m.observe_exact(1, keys, cost(EXACT, 1, keys))
+    for _ in range(32):
+        m.observe_sparse(2, 8200, cost(SPARSE, 2, 8200))  # 4100 keys a request
+    m.observe_build(4096, 4096 * BUILD_PER_TOKEN)
+    assert m.index_pays(1, 16384)  # explores
+    assert m.snapshot()["explored_untimed"] == [16384]
+    assert m.index_pays(9, 40000)  # another range explores on its own
+    waits = steps_until_built(m, cid=2, context=20000)
+    assert waits > 1  # the second prompt in the range waited for its savings
+    exact, sparse = m.predicted(20000)
+    assert waits == math.ceil(BUILD_PER_TOKEN * 20000 / (exact - sparse))
+    for _ in range(99):
+        m.begin_step()
+    assert not m.index_pays(3, 16384)
+    m.begin_step()
+    assert m.index_pays(4, 16384)  # reexplored, sampling still untimed there
+    m.observe_sparse(1, 17000, cost(SPARSE, 1, 17000))  # timed in 16K-32K at last
+    assert m.snapshot()["explored_untimed"] == [32768]
+    assert not m.index_pays(5, 16384)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_noise_at_one_context_never_predicts_cheaper_attention_at_a_longer_one(seed):
     """Steps clustered at ~4K keys with 20% noise: the unconstrained slope is noise, and was once

@@ -36,6 +36,12 @@ whose context lies in no power-of-2 range (4K-8K, 8K-16K, ...) that sampling was
 fit's sampled cost there is extrapolated, and only a build lets it be measured (a deferred prompt
 is never sampled, not even in an exploring step, so a wrong extrapolation would never be
 corrected: an 8K prompt after 4K ones was served exactly throughout, as ``sampling_slower``).
+One build per such range explores it, not every prompt in it: a build's sampled decodes may go
+untimed (while another build shares the core, or served exactly as ``sampling_slower`` between
+exploring steps), and on an AMX machine (``results/e2e_decode_amx.md``) every new 8K and 16K
+prompt was then built on arrival, 2-7 builds a row, each slowing the decodes beside it by half.
+Other prompts in the range wait, ski-rental, on the extrapolated fit; the range is explored again
+after ``reexplore_steps`` steps if sampling still was not timed there.
 """
 from __future__ import annotations
 
@@ -139,13 +145,16 @@ class BuildCost:
 
 
 class DecodeCostModel:
-    def __init__(self, min_steps: int = 16, decay: float = 0.99, explore_every: int = 16) -> None:
+    def __init__(self, min_steps: int = 16, decay: float = 0.99, explore_every: int = 16,
+                 reexplore_steps: int = 4096) -> None:
         self.min_steps = min_steps
         self.explore_every = explore_every
+        self.reexplore_steps = reexplore_steps
         self.exact = LinearCost(decay, shape="keys")
         self.sparse = LinearCost(decay, shape="requests")
         self.build = BuildCost(decay)
         self._sampled_octaves: set[int] = set()  # floor(log2) of per-request contexts sampling was timed at
+        self._explored: dict[int, int] = {}  # untimed octave -> the step its exploring build was granted at
         # prompt (centre id) whose build waits -> seconds per layer its exact decodes would have saved
         self._saved: OrderedDict[int, float] = OrderedDict()
         self._steps_planned = 0
@@ -194,12 +203,20 @@ class DecodeCostModel:
         """Build prompt ``cid``'s index now? Called once per step for a decode over a prompt that
         has no index (module docs): adds what sampling this decode would have saved, and says
         whether the prompt's decodes have saved the build's cost by now. True while the decode or
-        the build costs are unmeasured, or sampling was not timed at a context this long."""
+        the build costs are unmeasured, and for one prompt per ``reexplore_steps`` steps in a
+        power-of-2 range of contexts sampling was not timed in."""
         p = self.predicted(context)
+        octave = _octave(context)
         with self._lock:
             per_token = self.build.per_token()
-            timed_here = _octave(context) in self._sampled_octaves
-        if p is None or per_token is None or not timed_here:
+            timed_here = octave in self._sampled_octaves
+            if not timed_here and p is not None and per_token is not None:
+                granted = self._explored.get(octave)
+                if granted is None or self._steps_planned - granted >= self.reexplore_steps:
+                    self._explored[octave] = self._steps_planned
+                    self._saved.pop(cid, None)
+                    return True  # this build explores the range
+        if p is None or per_token is None:
             return True
         saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
         if saved >= per_token * context:
@@ -217,7 +234,8 @@ class DecodeCostModel:
         """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys,
         and a build's seconds per 1K tokens and layer."""
         out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps, "builds": self.build.builds,
-               "deferred_prompts": len(self._saved)}
+               "deferred_prompts": len(self._saved), "sampled_octaves": sorted(1 << o for o in self._sampled_octaves),
+               "explored_untimed": sorted(1 << o for o in self._explored if o not in self._sampled_octaves)}
         per_token = self.build.per_token()
         if per_token is not None:
             out["build_ms_per_1k_tokens"] = round(per_token * 1e6, 2)
