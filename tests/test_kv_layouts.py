@@ -44,3 +44,14 @@ def test_views_read_what_vllm_wrote(isa, block_size, hkv, d):
 def test_amx_layout_rejects_shapes_its_tiles_do_not_divide():
     with pytest.raises(ValueError, match="multiples of 16"):
         CpuAmxLayout().views(torch.zeros(2, 1, 24, 128, dtype=torch.bfloat16))
+
+
+def test_the_kernel_rejects_a_view_that_is_neither_4_d_nor_tiled_6_d():
+    from vllm_magicpig import kernel as kx
+
+    k = torch.zeros(2, 16, 1, 4, 16, dtype=torch.bfloat16)  # 5-D: no layout of ours
+    with pytest.raises(ValueError, match="4-D view .* or a 6-D tiled one"):
+        kx.sparse_decode_attention(torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 4, dtype=torch.int32),
+                                   torch.zeros(1, 1), [[]], k, k, block_table=torch.zeros(1, 1, dtype=torch.int32),
+                                   dense_ranges=torch.zeros(1, 2, 2, dtype=torch.int32), scale=1.0, K=2, L=4,
+                                   out=torch.empty(1, 1, 64, dtype=torch.bfloat16))

@@ -84,7 +84,7 @@ class CpuVecLayout:
         return KVViews(k, v)
 
 
-class CpuAmxLayout:
+class CpuAmxLayout(CpuVecLayout):
     """vLLM's CPU attention cache with the "amx" ISA (x86 CPUs with AMX tiles, bf16).
 
     The allocation is the "vec" one, ``[num_blocks, Hkv, block_size, 2 * D]``: per (block, head)
@@ -93,14 +93,10 @@ class CpuAmxLayout:
     ``(t // 16) * 16 D + (j // 2) * 32 + (t % 16) * 2 + j % 2``; V is in groups of 16 elements,
     each ``[block_size / 2][16 elements][2 tokens]``: ``(j // 16) * 16 block_size + (t // 2) * 32 +
     (j % 16) * 2 + t % 2``. (Read off vLLM's ``cpu_attn_reshape_and_cache(..., "amx")``;
-    test_kv_layout.py checks it against that op.)
+    test_kv_layouts.py checks it against that op.) Only the views differ from "vec"'s.
     """
 
     name = "cpu_amx"
-
-    @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, num_kv_heads, block_size, 2 * head_dim)
 
     def views(self, kv_cache: torch.Tensor) -> KVViews:
         nb, hkv, n, two_d = kv_cache.shape
