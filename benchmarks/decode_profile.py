@@ -30,13 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timed_tree import use_tree_from_argv  # noqa: E402
 
 TREE = use_tree_from_argv()
-from vllm_magicpig import kernel  # noqa: E402
+from vllm_magicpig import kernel, kv_layout  # noqa: E402
 from vllm_magicpig.config import MagicPigConfig  # noqa: E402
 from vllm_magicpig.decode_methods import LayerContext  # noqa: E402
 from vllm_magicpig.index import segment_owner  # noqa: E402
 from vllm_magicpig.layer import SparseLayer  # noqa: E402
 from vllm_magicpig.planner import StepPlanner  # noqa: E402
 from vllm_magicpig.runtime import MagicPigRuntime  # noqa: E402
+
+# The cache layout vLLM picks here: "amx" on CPUs with AMX tiles (the state granted, as an engine's
+# oneDNN matmuls have it granted), else "vec"; a --tree checkout without CpuAmxLayout reads "vec".
+_AMX_LAYOUT = getattr(kv_layout, "CpuAmxLayout", None)
+ISA = "amx" if _AMX_LAYOUT and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx() else "vec"
+LAYOUT = _AMX_LAYOUT() if ISA == "amx" else kv_layout.CpuVecLayout()
 
 from kernel_bench import timeit  # noqa: E402
 
@@ -72,7 +78,7 @@ def run(ctx: int, batch: int, K: int, L: int):
         keys = (torch.randn(ctx, HKV, D, generator=gen) + off).bfloat16()
         vals = torch.randn(ctx, HKV, D, generator=gen).bfloat16()
         slots = blocks.long().repeat_interleave(BS)[:ctx] * BS + torch.arange(ctx) % BS
-        ops.cpu_attn_reshape_and_cache(keys, vals, kc, vc, slots, "vec")
+        ops.cpu_attn_reshape_and_cache(keys, vals, kc, vc, slots, ISA)
     seq = torch.full((batch,), ctx, dtype=torch.int32)
     q = (torch.randn(batch, H, D, generator=gen) - 0.5 * off.repeat_interleave(G, 0)).bfloat16()
     out = torch.empty(batch, H, D, dtype=torch.bfloat16)
@@ -81,7 +87,7 @@ def run(ctx: int, batch: int, K: int, L: int):
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=batch, num_heads=H, num_kv_heads=HKV, head_dim=D,
                                                 seq_lens=seq, dtype=torch.bfloat16, query_start_loc=qsl,
-                                                causal=True, sliding_window_size=-1, isa="vec",
+                                                causal=True, sliding_window_size=-1, isa=ISA,
                                                 enable_kv_split=True)
 
     def exact():
@@ -93,7 +99,7 @@ def run(ctx: int, batch: int, K: int, L: int):
     # Each run writes its cache directly, not through vLLM, so nothing invalidates the
     # previous run's index entries on the same block ids: a fresh runtime per run.
     cfg = MagicPigConfig(K=K, L=L)
-    rt = MagicPigRuntime(cfg, num_layers=30)
+    rt = MagicPigRuntime(cfg, num_layers=30, layout=LAYOUT)
     layer = SparseLayer(LayerContext("model.layers.3.self_attn.attn", 3, H, HKV, D, D ** -0.5, rt))
     planner = StepPlanner(cfg, BS, rt.index)
     settings = rt.step_settings()
@@ -130,7 +136,7 @@ def run(ctx: int, batch: int, K: int, L: int):
     seq_tail = torch.full((batch,), tail, dtype=torch.int32)
     sched_tail = ops.cpu_attn_get_scheduler_metadata(num_reqs=batch, num_heads=H, num_kv_heads=HKV, head_dim=D,
                                                      seq_lens=seq_tail, dtype=torch.bfloat16, query_start_loc=qsl,
-                                                     causal=True, sliding_window_size=-1, isa="vec",
+                                                     causal=True, sliding_window_size=-1, isa=ISA,
                                                      enable_kv_split=True)
     t_tail_vllm = med(lambda: ops.cpu_attention_with_kv_cache(
         query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=seq_tail, scale=D ** -0.5,
@@ -149,7 +155,8 @@ def main(argv=None):
     ap.add_argument("--L", type=int, default=150)
     ap.add_argument("--tree", type=Path, default=None, help="another built checkout to time (module docs)")
     a = ap.parse_args(argv)
-    print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} K={a.K} L={a.L} tree={TREE}")
+    print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} vLLM cache layout={ISA} K={a.K} L={a.L} "
+          f"tree={TREE}")
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
           "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
           "exact tokens a request | its exact part alone ms (vLLM's kernel, as many tokens) |")

@@ -83,6 +83,8 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
 // dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
 // element per (token, j).  A tiled cache (AMX's) is read element by element through its offsets,
 // token-major: a tile's 16 tokens of K share its cache lines, so they stay in L1 across the tokens.
+constexpr int kAmxMaxPairs = 256;  // head_dim up to 512 on the AMX fast path
+
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
   const int d = args.d, nr = unit.end - unit.begin;
   if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
@@ -105,7 +107,32 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
       for (int j = 0; j < d; ++j) dst[static_cast<size_t>(t) * d + j] = row[elem[j]];
     }
   };
+  // vLLM's AMX tiles (kv_layout.CpuAmxLayout), read a bf16 pair at a time: K's elements j, j + 1 of
+  // a token are adjacent, V's tokens t, t + 1 of an element are.  copy_tiled is their scalar twin.
+  auto copy_amx_k = [d](const uint16_t* src, int off, int run, uint16_t* dst) {
+    for (int t = 0; t < run; ++t) {
+      const int slot = off + t;
+      uint32_t pair[kAmxMaxPairs];
+      const uint16_t* first = src + static_cast<int64_t>(slot / 16) * 16 * d + (slot % 16) * 2;
+      for (int p = 0; p < d / 2; ++p) std::memcpy(&pair[p], first + p * 32, 4);
+      std::memcpy(dst + static_cast<size_t>(t) * d, pair, static_cast<size_t>(d) * 2);
+    }
+  };
+  auto copy_amx_v = [d](const uint16_t* src, int64_t group_stride, int off, int run, uint16_t* dst) {
+    for (int t = 0; t < run; ++t) {
+      const int slot = off + t;
+      const uint16_t* first = src + (slot / 2) * 32 + slot % 2;
+      uint16_t* row = dst + static_cast<size_t>(t) * d;
+      for (int g = 0; g < d / 16; ++g)
+        for (int e = 0; e < 16; ++e) row[g * 16 + e] = first[g * group_stride + e * 2];
+    }
+  };
   const bool k_tiled = args.kt.tiled(args.block_size, d), v_tiled = args.vt.tiled(args.block_size, d);
+  const bool fast = !args.force_scalar && d / 2 <= kAmxMaxPairs;
+  const bool k_amx = fast && k_tiled && args.kt.tg == 16 && args.ks[1] == 2 && args.kt.t_outer == 16 * d &&
+                     args.kt.jg == 2 && args.ks[3] == 1 && args.kt.j_outer == 32;
+  const bool v_amx = fast && v_tiled && args.vt.tg == 2 && args.vs[1] == 1 && args.vt.t_outer == 32 &&
+                     args.vt.jg == 16 && args.vs[3] == 2;
   scratch.elem_off.resize(2 * static_cast<size_t>(d));
   int64_t *kelem = scratch.elem_off.data(), *velem = kelem + d;
   for (int j = 0; j < d; ++j) {
@@ -120,12 +147,16 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
     const uint16_t* kbase = args.kc + b.blk * args.ks[0] + unit.kvh * args.ks[2];
     const uint16_t* vbase = args.vc + b.blk * args.vs[0] + unit.kvh * args.vs[2];
     if (keys) {
-      if (k_tiled)
+      if (k_amx)
+        copy_amx_k(kbase, b.off, run, kdst);
+      else if (k_tiled)
         copy_tiled(kbase, args.ks, args.kt, b.off, run, kelem, kdst);
       else
         copy_run(kbase + b.off * args.ks[1], args.ks, run, kdst);
     }
-    if (v_tiled)
+    if (v_amx)
+      copy_amx_v(vbase, args.vt.j_outer, b.off, run, vdst);
+    else if (v_tiled)
       copy_tiled(vbase, args.vs, args.vt, b.off, run, velem, vdst);
     else
       copy_run(vbase + b.off * args.vs[1], args.vs, run, vdst);
