@@ -78,13 +78,13 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   }
 }
 
+constexpr int kAmxMaxPairs = 256;  // head_dim up to 512 on the AMX fast path
+
 // The unit's dense tokens as row-major K and V tiles, a run of tokens inside one block at a time.
 // Rows that are not contiguous in the cache (a column-major K whose q.k is not read in place by
 // dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
 // element per (token, j).  A tiled cache (AMX's) is read element by element through its offsets,
 // token-major: a tile's 16 tokens of K share its cache lines, so they stay in L1 across the tokens.
-constexpr int kAmxMaxPairs = 256;  // head_dim up to 512 on the AMX fast path
-
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
   const int d = args.d, nr = unit.end - unit.begin;
   if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
