@@ -56,7 +56,8 @@ class MagicPigMetadataBuilder(MagicPigBuilderMixin, CPUAttentionMetadataBuilder)
         # The sparse kernel reads K/V rows out of vLLM's cache, whose layout inside a block
         # depends on the ISA vLLM chose: "vec" (K column-major, V row-major), or on CPUs with
         # AMX tiles "amx" (bf16 pairs in 16-token / 16-element tiles), whose prefill attention
-        # runs ~3.7x faster than "vec"'s at SmolLM2's shape. MAGICPIG keeps vLLM's choice.
+        # runs 3.3-3.5x faster than "vec"'s at SmolLM2's shape (benchmarks/cpu_attn_isas.py).
+        # MAGICPIG keeps vLLM's choice.
         if self.isa not in _LAYOUTS:
             raise MagicPigConfigError(
                 f"MAGICPIG needs vLLM's 'vec' or 'amx' CPU attention layout (x86-64, head_dim and block "
