@@ -28,9 +28,10 @@ QUICK_CASES = ((1024, 1), (1024, 64))
 
 
 def isas() -> list[str]:
-    """The layouts to time: vLLM runs "amx" only where the CPU has AMX tiles and Linux grants them
-    (an engine's oneDNN matmuls ask for them first; here we ask ourselves)."""
-    return ["vec", "amx"] if torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx() else ["vec"]
+    """The layouts to time: vLLM runs "amx" only where the CPU has AMX tiles (kv_layout.amx_granted)."""
+    from vllm_magicpig.kv_layout import amx_granted
+
+    return ["vec", "amx"] if amx_granted() else ["vec"]
 
 
 class Layer:

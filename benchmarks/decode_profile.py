@@ -38,11 +38,11 @@ from vllm_magicpig.layer import SparseLayer  # noqa: E402
 from vllm_magicpig.planner import StepPlanner  # noqa: E402
 from vllm_magicpig.runtime import MagicPigRuntime  # noqa: E402
 
-# The cache layout vLLM picks here: "amx" on CPUs with AMX tiles (the state granted, as an engine's
-# oneDNN matmuls have it granted), else "vec"; a --tree checkout without CpuAmxLayout reads "vec".
-_AMX_LAYOUT = getattr(kv_layout, "CpuAmxLayout", None)
-ISA = "amx" if _AMX_LAYOUT and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx() else "vec"
-LAYOUT = _AMX_LAYOUT() if ISA == "amx" else kv_layout.CpuVecLayout()
+# The cache layout vLLM picks here: "amx" on CPUs with AMX tiles (kv_layout.amx_granted), else
+# "vec"; a --tree checkout from before the AMX layout reads "vec".
+_CPU_LAYOUTS = getattr(kv_layout, "CPU_LAYOUTS", {"vec": kv_layout.CpuVecLayout})
+ISA = "amx" if "amx" in _CPU_LAYOUTS and kv_layout.amx_granted() else "vec"
+LAYOUT = _CPU_LAYOUTS[ISA]()
 
 from kernel_bench import timeit  # noqa: E402
 

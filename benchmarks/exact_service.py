@@ -78,6 +78,7 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
+    from vllm_magicpig.kv_layout import amx_granted
 
     cfg = vllm_config(model, {"min_sparse_context": ctx + 1, "background_index": False, "log_stats_interval": 0})
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -106,9 +107,7 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
         for layer in layers:  # the KV write's layout, as vLLM sets it on its layers
             layer.isa = builders["MAGICPIG"].isa
         if builders["MAGICPIG"].isa == "amx":
-            # An engine's oneDNN matmuls ask Linux for the AMX state before attention first runs;
-            # this process runs vLLM's AMX kernel with no matmul before it.
-            torch.cpu._init_amx()
+            amx_granted()  # vLLM's AMX kernel runs here with no matmul before it to ask for the state
         args = (H, D, D**-0.5, HKV, None, None, "auto")
         impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
                  "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_magicpig import kernel as kx  # noqa: E402
 from vllm_magicpig.eval import reference as ref  # noqa: E402
-from vllm_magicpig.kv_layout import CpuAmxLayout, CpuVecLayout  # noqa: E402
+from vllm_magicpig.kv_layout import CPU_LAYOUTS, amx_granted  # noqa: E402
 
 SINKS, WINDOW, TAIL, SEG_MAX, BLOCK = 4, 64, 100, 32768, 128
 CONFIGS = ((64, 3, 3), (128, 8, 4))  # (head_dim, KV heads, query heads per KV head)
@@ -127,13 +127,10 @@ def paged_gather_roofs(head_dims, threads):
             for d in head_dims}
 
 
-LAYOUTS = {"vec": CpuVecLayout, "amx": CpuAmxLayout}
-
-
 def vllm_isa(ops, choice: str) -> str:
     """The layout to run: vLLM's choice on this CPU ("amx" with AMX tiles, granted here as an engine's
     oneDNN matmuls would have them granted before attention), or ``choice`` when not "auto"."""
-    amx = ops is not None and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()
+    amx = ops is not None and amx_granted()
     if choice == "amx" and not amx:
         raise SystemExit("--layout amx: this CPU has no AMX tiles (or vLLM did not import)")
     return choice if choice != "auto" else ("amx" if amx else "vec")
@@ -198,7 +195,7 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen, isa="vec"):
     kcache, vcache = kv_cache.chunk(2, dim=2)
     if ops is not None:
         ops.cpu_attn_reshape_and_cache(keys, vals, kcache, vcache, slots, isa)
-    views = LAYOUTS[isa]().views(kv_cache.view(nb, hkv, BLOCK, 2 * D))
+    views = CPU_LAYOUTS[isa]().views(kv_cache.view(nb, hkv, BLOCK, 2 * D))
     kview, vview = views.key, views.value
     if ops is None:  # the "vec" layout by hand
         kview[slots // BLOCK, slots % BLOCK] = keys

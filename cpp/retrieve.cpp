@@ -78,13 +78,12 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   }
 }
 
-constexpr int kAmxMaxPairs = 256;  // head_dim up to 512 on the AMX fast path
-
 // The unit's dense tokens as row-major K and V tiles, a run of tokens inside one block at a time.
 // Rows that are not contiguous in the cache (a column-major K whose q.k is not read in place by
 // dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
-// element per (token, j).  A tiled cache (AMX's) is read element by element through its offsets,
-// token-major: a tile's 16 tokens of K share its cache lines, so they stay in L1 across the tokens.
+// element per (token, j).  A tiled cache (AMX's) is read token-major, a bf16 pair at a time where
+// the tiles are vLLM's AMX ones, else element by element through its offsets: a tile's 16 tokens
+// of K share its cache lines, so they stay in L1 across the tokens.
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys) {
   const int d = args.d, nr = unit.end - unit.begin;
   if (keys) scratch.ktile.resize(static_cast<size_t>(nr) * d);
@@ -112,10 +111,9 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
   auto copy_amx_k = [d](const uint16_t* src, int off, int run, uint16_t* dst) {
     for (int t = 0; t < run; ++t) {
       const int slot = off + t;
-      uint32_t pair[kAmxMaxPairs];
       const uint16_t* first = src + static_cast<int64_t>(slot / 16) * 16 * d + (slot % 16) * 2;
-      for (int p = 0; p < d / 2; ++p) std::memcpy(&pair[p], first + p * 32, 4);
-      std::memcpy(dst + static_cast<size_t>(t) * d, pair, static_cast<size_t>(d) * 2);
+      uint16_t* row = dst + static_cast<size_t>(t) * d;
+      for (int p = 0; p < d / 2; ++p) std::memcpy(row + 2 * p, first + p * 32, 4);
     }
   };
   auto copy_amx_v = [d](const uint16_t* src, int64_t group_stride, int off, int run, uint16_t* dst) {
@@ -128,16 +126,21 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
     }
   };
   const bool k_tiled = args.kt.tiled(args.block_size, d), v_tiled = args.vt.tiled(args.block_size, d);
-  const bool fast = !args.force_scalar && d / 2 <= kAmxMaxPairs;
+  const bool fast = !args.force_scalar;
   const bool k_amx = fast && k_tiled && args.kt.tg == 16 && args.ks[1] == 2 && args.kt.t_outer == 16 * d &&
                      args.kt.jg == 2 && args.ks[3] == 1 && args.kt.j_outer == 32;
   const bool v_amx = fast && v_tiled && args.vt.tg == 2 && args.vs[1] == 1 && args.vt.t_outer == 32 &&
                      args.vt.jg == 16 && args.vs[3] == 2;
-  scratch.elem_off.resize(2 * static_cast<size_t>(d));
-  int64_t *kelem = scratch.elem_off.data(), *velem = kelem + d;
-  for (int j = 0; j < d; ++j) {
-    kelem[j] = args.kt.elem(j, args.ks);
-    velem[j] = args.vt.elem(j, args.vs);
+  // The generic tiled copy's element offsets, computed only where it runs (not on "vec" caches).
+  int64_t *kelem = nullptr, *velem = nullptr;
+  if ((keys && k_tiled && !k_amx) || (v_tiled && !v_amx)) {
+    scratch.elem_off.resize(2 * static_cast<size_t>(d));
+    kelem = scratch.elem_off.data();
+    velem = kelem + d;
+    for (int j = 0; j < d; ++j) {
+      kelem[j] = args.kt.elem(j, args.ks);
+      velem[j] = args.vt.elem(j, args.vs);
+    }
   }
   for (int i = 0, run; i < nr; i += run) {
     const BlockRun b = block_run(args, unit, i);

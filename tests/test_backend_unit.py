@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from vllm_magicpig.kv_layout import amx_granted
+
 D, HKV, G, BS = 64, 3, 3, 128  # SmolLM2-135M's attention shape; CPU KV block size
 H = HKV * G
 NUM_LAYERS = 30
@@ -168,10 +170,9 @@ def harness(vllm_env, spec, num_blocks=None, isa="vec", **magicpig) -> Harness:
 
 
 def amx_isa() -> str:
-    """"amx" on a CPU with AMX tiles, with this process granted their state (an engine's oneDNN
-    matmuls ask Linux for it before attention first runs; these tests call vLLM's AMX kernel
-    directly, and without it the first tile instruction dies of SIGILL); else a skip."""
-    if not torch.cpu._is_amx_tile_supported() or not torch.cpu._init_amx():
+    """"amx" on a CPU with AMX tiles, with this process granted their state (these tests call
+    vLLM's AMX kernel directly: kv_layout.amx_granted); else a skip."""
+    if not amx_granted():
         pytest.skip("vLLM picks its AMX cache layout only on CPUs with AMX tiles; this one has none")
     return "amx"
 

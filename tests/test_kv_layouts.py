@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_magicpig.kv_layout import CpuAmxLayout, CpuVecLayout, gather, logical_blocks
+from vllm_magicpig.kv_layout import CPU_LAYOUTS, CpuAmxLayout, gather, logical_blocks
 
 
 def _written_by_vllm(isa, layout, num_blocks, block_size, hkv, d, seed):
@@ -28,7 +28,7 @@ def _written_by_vllm(isa, layout, num_blocks, block_size, hkv, d, seed):
 def test_views_read_what_vllm_wrote(isa, block_size, hkv, d):
     if isa == "amx" and not torch.cpu._is_amx_tile_supported():
         pytest.skip("vLLM picks its AMX cache layout only on CPUs with AMX tiles; this one has none")
-    layout = {"vec": CpuVecLayout, "amx": CpuAmxLayout}[isa]()
+    layout = CPU_LAYOUTS[isa]()
     views, blocks, keys, values = _written_by_vllm(isa, layout, 5, block_size, hkv, d, seed=block_size + d)
     assert views.block_size == block_size and views.num_kv_heads == hkv and views.head_dim == d
     n = keys.shape[0]

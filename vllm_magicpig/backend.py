@@ -27,11 +27,8 @@ from vllm_magicpig.backend_common import (  # noqa: E402
     MagicPigMetadata,
 )
 from vllm_magicpig.config import MagicPigConfigError  # noqa: E402
-from vllm_magicpig.kv_layout import CpuAmxLayout, CpuVecLayout  # noqa: E402
+from vllm_magicpig.kv_layout import CPU_LAYOUTS  # noqa: E402
 from vllm_magicpig.runtime import MagicPigRuntime  # noqa: E402
-
-# vLLM's CPU attention ISAs whose cache layouts the sparse kernel reads.
-_LAYOUTS = {"vec": CpuVecLayout, "amx": CpuAmxLayout}
 
 __all__ = ["MagicPigBackend", "MagicPigMetadataBuilder", "MagicPigImpl", "MagicPigMetadata"]
 
@@ -58,12 +55,12 @@ class MagicPigMetadataBuilder(MagicPigBuilderMixin, CPUAttentionMetadataBuilder)
         # AMX tiles "amx" (bf16 pairs in 16-token / 16-element tiles), whose prefill attention
         # runs 3.3-3.5x faster than "vec"'s at SmolLM2's shape (benchmarks/cpu_attn_isas.py).
         # MAGICPIG keeps vLLM's choice.
-        if self.isa not in _LAYOUTS:
+        if self.isa not in CPU_LAYOUTS:
             raise MagicPigConfigError(
                 f"MAGICPIG needs vLLM's 'vec' or 'amx' CPU attention layout (x86-64, head_dim and block "
                 f"size multiples of 32); this machine/config selected {self.isa!r}"
             )
-        layout = _LAYOUTS[self.isa]()
+        layout = CPU_LAYOUTS[self.isa]()
         self._init_magicpig(vllm_config, lambda cfg, **kw: MagicPigRuntime(cfg, layout=layout, **kw))
 
 

@@ -109,6 +109,18 @@ class CpuAmxLayout(CpuVecLayout):
         return KVViews(k, v)
 
 
+# vLLM's CPU attention ISAs (``CPUAttentionMetadataBuilder.isa``) whose cache layouts are read here.
+CPU_LAYOUTS: dict[str, type[CpuVecLayout]] = {"vec": CpuVecLayout, "amx": CpuAmxLayout}
+
+
+def amx_granted() -> bool:
+    """Whether this process can run vLLM's AMX attention kernel: the CPU has AMX tiles and Linux
+    granted their state, asked for here. An engine's oneDNN matmuls ask before attention first
+    runs; a test or benchmark that calls vLLM's AMX kernel directly must ask itself, or its first
+    tile instruction dies of SIGILL."""
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 class FlashLayout:
     """vLLM's CUDA cache for FLASH_ATTN (and TRITON_ATTN): logical ``[num_blocks, Hkv, block_size,
     2 * D]`` per layer, each (block, head, token) cell holding K then V. Whatever the physical order
