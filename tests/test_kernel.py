@@ -246,8 +246,9 @@ def test_row_major_cache_matches_reference(name, force_scalar):
 @pytest.mark.parametrize("force_scalar", PATHS)
 def test_amx_tiled_cache_matches_reference_and_row_major(name, force_scalar):
     """The same estimator over vLLM's AMX cache layout (K and V in bf16-pair tiles, read through a
-    6-D view): dense tokens are gathered element by element through the tiles' offsets into the
-    same row-major tiles a row-major cache gives, so the output is bit for bit the row-major
+    6-D view): dense tokens are gathered through the tiles (a bf16 pair at a time, or element by
+    element on the scalar path) into the same row-major tiles a row-major cache gives, so the
+    output is bit for bit the row-major
     layout's over the same values (the same seed writes the same cache contents), and within the
     float64 reference's tolerance."""
     seed, gen = new_seed()
