@@ -109,7 +109,8 @@ inline void prefetch_bytes(const void* p, int nbytes) {
   __builtin_prefetch(c + nbytes - 1);
 }
 // What each pass of the attention reads of row i ahead of time: its K row (with the norm of a
-// segment's key), or its V row.
+// segment's key), or its V row.  (Prefetching a segment's V row with its K row, for the V pass to
+// find in L2, measured no faster: kernel_bench's cold 16K and 128K layers, 2026-12-02.)
 inline void prefetch_key(const Rows& rows, int i, int d) {
   if (rows.kv8) {
     prefetch_bytes(rows.row8(i), kInt8KeyOffset + d);
@@ -150,12 +151,39 @@ struct Scratch {
   std::vector<Segment::Bucket> buckets;  // [L][G] ranges of one unit
   std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
   std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)
+  std::vector<float> wrow;               // [n][G rounded up to 4] softmax weights by row (row_weights)
   std::vector<float> row_f32;            // one K or V row converted to fp32
   std::vector<int64_t> elem_off;         // [2][d] a tiled cache's offsets of K's, V's elements j
 };
 
 // Rows ahead of the current one whose lines are prefetched in the row loops.
 constexpr int kPrefetchRows = 16;
+
+// Head g's softmax weight of row i at w[i * gp + g], gp = G rounded up to 4: 0 where the head does
+// not attend the row, and for the heads past G.  The SIMD V passes run every row through all the
+// heads of a 4-head block, their sums in registers: no branch on the row's mask (whose head count
+// varies from row to row) and no load and store of a head's sums per row.
+// Each sum still adds w * v over the rows in order, and a weight of 0 adds 0 * v: the same sums as
+// attend_scalar's, which skips such rows, for finite v.  A head whose entries are all taken reads
+// one past them (the next head's, or a padding entry): scores needs off[G] + 1 entries.
+inline int row_weights(const Rows& rows, int G, const float* sc, std::vector<float>& w) {
+  const int gp = (G + 3) & ~3, n = rows.n;
+  w.resize(static_cast<size_t>(n) * gp);
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + G, pos);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t m = rows.mask[i];
+    float* wi = w.data() + static_cast<size_t>(i) * gp;
+    for (int g = 0; g < G; ++g) {
+      const int bit = static_cast<int>((m >> g) & 1u);
+      const float x = sc[pos[g]];
+      wi[g] = bit ? x : 0.f;
+      pos[g] += bit;
+    }
+    for (int g = G; g < gp; ++g) wi[g] = 0.f;
+  }
+  return gp;
+}
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())

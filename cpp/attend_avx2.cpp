@@ -1,7 +1,7 @@
 // AVX2 attention, the 8-lane twin of attend_avx512 (attend_avx512.cpp) for CPUs without AVX-512
-// (AMD before Zen 4, most Intel client parts): the same three phases, correction table,
-// polynomials and zero-weight skip as attend_scalar, 8 rows per vector in the logits and softmax
-// and 8 dims per vector in the dot products and the V accumulation.
+// (AMD before Zen 4, most Intel client parts): the same three phases, correction table and
+// polynomials as attend_scalar, 8 rows per vector in the logits and softmax, 8 dims per vector in
+// the dot products, and the V accumulation in registers, 4 heads x 16 dims (values_block8).
 #if defined(__x86_64__)
 #include "simd_avx2.h"
 
@@ -72,44 +72,50 @@ MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Hea
   }
 }
 
-// The V pass of a dense tile, where every head weighs every row (head g's weights are the compact
-// entries g * n ..): the accumulators of 4 heads x 16 dimensions stay in registers down the whole
-// tile, instead of a load and a store of acc per (row, head) as in the masked pass below.  A group
-// past the last head repeats it and drops those sums.  Each acc[g][j] still sums p * v over the rows
-// in order; a zero weight adds 0 * v, which is what skipping it gives for finite values.
-MP_AVX2 static void dense_values_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads,
-                                      const Scratch& scratch, Partial part) {
-  const int d = args.d, G = heads.G, n = rows.n;
-  const float* sc = scratch.scores.data();
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const float* p[4];
-    for (int g = 0; g < 4; ++g) p[g] = sc + rows.off[std::min(g0 + g, G - 1)];
-    for (int j0 = 0; j0 < d; j0 += 16) {
-      __m256 acc[4][2];
-      for (int g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-      for (int i = 0; i < n; ++i) {
-        const uint16_t* vr = rows.row(rows.vb, i) + j0;
-        const __m256 v0 = load8(vr, args.dtype), v1 = load8(vr + 8, args.dtype);
-        for (int g = 0; g < 4; ++g) {
-          const __m256 w = _mm256_broadcast_ss(p[g] + i);
-          acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
-          acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
-        }
-      }
-      for (int g = 0; g < std::min(4, G - g0); ++g) {
-        float* a = part.acc + static_cast<size_t>(g0 + g) * d + j0;
-        _mm256_storeu_ps(a, acc[g][0]);
-        _mm256_storeu_ps(a + 8, acc[g][1]);
-      }
+// The V pass for heads g0 .. g0 + 3 and dimensions j0 .. j0 + 15: the 4 x 2 sums stay in registers
+// down all the rows, each row's V vectors loaded once for the 4 heads (w: row_weights').  The first
+// block's pass prefetches the rows ahead; the other blocks find them in L1 or L2.  Each sum is w * v
+// added row by row, as attend_scalar's; a V row converts as int8_row_to_f32 does.
+template <bool Int8>
+MP_AVX2 static void values_block8(const Rows& rows, int d, int dtype, const float* w, int gp, int g0, int j0, int G,
+                                  float* acc) {
+  __m256 a[4][2];
+  for (int h = 0; h < 4; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
+  const bool prefetch = g0 == 0 && j0 == 0;
+  for (int i = 0; i < rows.n; ++i) {
+    if (prefetch && i + kPrefetchRows < rows.n) prefetch_value(rows, i + kPrefetchRows, d);
+    __m256 v0, v1;
+    if constexpr (Int8) {
+      const Int8Part p = int8_value(rows.row8(i), d);
+      const __m256 s = _mm256_set1_ps(p.scale);
+      const __m128i b0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j0));
+      const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j0 + 8));
+      v0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)));
+      v1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)));
+    } else {
+      const uint16_t* vr = rows.row(rows.vb, i) + j0;
+      v0 = load8(vr, dtype);
+      v1 = load8(vr + 8, dtype);
     }
+    const float* wi = w + static_cast<size_t>(i) * gp + g0;
+    for (int h = 0; h < 4; ++h) {
+      const __m256 b = _mm256_broadcast_ss(wi + h);
+      a[h][0] = _mm256_fmadd_ps(b, v0, a[h][0]);
+      a[h][1] = _mm256_fmadd_ps(b, v1, a[h][1]);
+    }
+  }
+  for (int h = 0; h < std::min(4, G - g0); ++h) {
+    float* o = acc + static_cast<size_t>(g0 + h) * d + j0;
+    _mm256_storeu_ps(o, a[h][0]);
+    _mm256_storeu_ps(o + 8, a[h][1]);
   }
 }
 
 MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                          const float* neg_log_u_table) {
-  const int d = args.d, G = heads.G, n = rows.n;
-  // Every access past an entry range below is masked, so no padding is needed.
-  scratch.scores.resize(rows.off[G]);
+  const int d = args.d, G = heads.G;
+  // Every access past an entry range below is masked; the one padding entry is row_weights'.
+  scratch.scores.resize(rows.off[G] + 1);
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   PhaseTimer pt;
@@ -170,35 +176,15 @@ MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& he
   }
   pt.tick(kPhaseGatherLogits);
 
-  if (!rows.seg && !rows.kv8) {  // a dense tile: every head attends every row
-    dense_values_avx2(args, rows, heads, scratch, part);
-    pt.tick(kPhaseSoftmaxV);
-    return;
-  }
-  // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
-  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
-  float* vf = scratch.row_f32.data();
-  const float* sc = scratch.scores.data();
-  int pos[MAXG];
-  std::copy(rows.off, rows.off + G, pos);
-  for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_value(rows, i + kPrefetchRows, d);
-    if (rows.kv8) {
-      int8_row_to_f32(int8_value(rows.row8(i), d), vf, d);
-    } else {
-      const uint16_t* vr = rows.row(rows.vb, i);
-      for (int j = 0; j < d; j += 8) _mm256_storeu_ps(vf + j, load8(vr + j, args.dtype));
+  // acc[g] = sum of w[g] * v over the rows (row_weights), heads in fours, 16 dimensions at a time.
+  const int gp = row_weights(rows, G, scratch.scores.data(), scratch.wrow);
+  for (int g0 = 0; g0 < G; g0 += 4)
+    for (int j0 = 0; j0 < d; j0 += 16) {
+      if (rows.kv8)
+        values_block8<true>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
+      else
+        values_block8<false>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
     }
-    for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
-      const int g = __builtin_ctz(msk);
-      const float p = sc[pos[g]++];
-      if (p == 0.f) continue;
-      const __m256 vp = _mm256_set1_ps(p);
-      float* acc = part.acc + static_cast<size_t>(g) * d;
-      for (int j = 0; j < d; j += 8)
-        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vp, _mm256_loadu_ps(vf + j), _mm256_loadu_ps(acc + j)));
-    }
-  }
   pt.tick(kPhaseSoftmaxV);
 }
 

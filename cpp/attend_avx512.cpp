@@ -1,6 +1,9 @@
 // AVX-512 attention, the twin of attend_scalar (attend_scalar.cpp): 16 rows per vector in the
-// logits and softmax, 16 dims per vector in the dot products and the V accumulation.
+// logits and softmax, 16 dims per vector in the dot products, and the V accumulation in registers,
+// 4 heads x 64 dims (values_block).
 #if defined(__x86_64__)
+#include <type_traits>
+
 #include "simd_math.h"
 
 namespace mp {
@@ -60,6 +63,41 @@ MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const H
   }
 }
 
+// The V pass for heads g0 .. g0 + 3 and dimensions j0 .. j0 + 16 * NV: the 4 x NV sums stay in
+// registers down all the rows, each row's V vectors loaded once for the 4 heads (w: row_weights').
+// The first block's pass prefetches the rows ahead; the other blocks find them in L1 or L2.  Each
+// sum is w * v added row by row, as attend_scalar's; a V row converts as int8_row_to_f32 does.
+template <int NV, bool Int8>
+MP_AVX512 void values_block(const Rows& rows, int d, int dtype, const float* w, int gp, int g0, int j0, int G,
+                            float* acc) {
+  __m512 a[4][NV];
+  for (int h = 0; h < 4; ++h)
+    for (int k = 0; k < NV; ++k) a[h][k] = _mm512_setzero_ps();
+  const bool prefetch = g0 == 0 && j0 == 0;
+  for (int i = 0; i < rows.n; ++i) {
+    if (prefetch && i + kPrefetchRows < rows.n) prefetch_value(rows, i + kPrefetchRows, d);
+    __m512 v[NV];
+    if constexpr (Int8) {
+      const Int8Part p = int8_value(rows.row8(i), d);
+      const __m512 s = _mm512_set1_ps(p.scale);
+      for (int k = 0; k < NV; ++k) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + j0 + 16 * k));
+        v[k] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+      }
+    } else {
+      const uint16_t* vr = rows.row(rows.vb, i) + j0;
+      for (int k = 0; k < NV; ++k) v[k] = load16(vr + 16 * k, dtype);
+    }
+    const float* wi = w + static_cast<size_t>(i) * gp + g0;
+    for (int h = 0; h < 4; ++h) {
+      const __m512 b = _mm512_set1_ps(wi[h]);
+      for (int k = 0; k < NV; ++k) a[h][k] = _mm512_fmadd_ps(b, v[k], a[h][k]);
+    }
+  }
+  for (int h = 0; h < std::min(4, G - g0); ++h)
+    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + static_cast<size_t>(g0 + h) * d + j0 + 16 * k, a[h][k]);
+}
+
 MP_AVX512 inline __mmask16 live_lanes(int n, int i) {
   return (n - i >= 16) ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
 }
@@ -68,9 +106,9 @@ MP_AVX512 inline __mmask16 live_lanes(int n, int i) {
 
 MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                              const float* neg_log_u_table, Isa isa) {
-  const int d = args.d, G = heads.G, n = rows.n;
-  // Every access past an entry range below is masked, so no padding is needed.
-  scratch.scores.resize(rows.off[G]);
+  const int d = args.d, G = heads.G;
+  // Every access past an entry range below is masked; the one padding entry is row_weights'.
+  scratch.scores.resize(rows.off[G] + 1);
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   PhaseTimer pt;
@@ -135,30 +173,27 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   }
   pt.tick(kPhaseGatherLogits);
 
-  // acc[g] += p[g] * v for every (row, head) of the mask, each V row converted once for all heads.
-  std::fill(part.acc, part.acc + static_cast<size_t>(G) * d, 0.f);
-  float* vf = scratch.row_f32.data();
-  const float* sc = scratch.scores.data();
-  int pos[MAXG];
-  std::copy(rows.off, rows.off + G, pos);
-  for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_value(rows, i + kPrefetchRows, d);
-    if (rows.kv8) {
-      int8_row_to_f32(int8_value(rows.row8(i), d), vf, d);
-    } else {
-      const uint16_t* vr = rows.row(rows.vb, i);
-      for (int j = 0; j < d; j += 16) _mm512_storeu_ps(vf + j, load16(vr + j, args.dtype));
+  // acc[g] = sum of w[g] * v over the rows (row_weights), heads in fours, 64 dimensions at a time.
+  const int gp = row_weights(rows, G, scratch.scores.data(), scratch.wrow);
+  for (int g0 = 0; g0 < G; g0 += 4)
+    for (int j0 = 0; j0 < d; j0 += 64) {
+      const int nv = std::min(4, (d - j0) / 16);
+      auto run = [&](auto nvc) {
+        constexpr int NV = decltype(nvc)::value;
+        if (rows.kv8)
+          values_block<NV, true>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
+        else
+          values_block<NV, false>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
+      };
+      if (nv == 4)
+        run(std::integral_constant<int, 4>{});
+      else if (nv == 3)
+        run(std::integral_constant<int, 3>{});
+      else if (nv == 2)
+        run(std::integral_constant<int, 2>{});
+      else
+        run(std::integral_constant<int, 1>{});
     }
-    for (uint32_t msk = rows.mask[i]; msk; msk &= msk - 1) {
-      const int g = __builtin_ctz(msk);
-      const float p = sc[pos[g]++];
-      if (p == 0.f) continue;
-      const __m512 vp = _mm512_set1_ps(p);
-      float* acc = part.acc + static_cast<size_t>(g) * d;
-      for (int j = 0; j < d; j += 16)
-        _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(vp, _mm512_loadu_ps(vf + j), _mm512_loadu_ps(acc + j)));
-    }
-  }
   pt.tick(kPhaseSoftmaxV);
 }
 

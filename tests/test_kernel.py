@@ -218,6 +218,10 @@ CONFIGS = {
     "dense_only": ([300, 40], 2, 3, 128, 8, 20, {"seg_sizes": [[], []], "block_size": 128}),
     "fp32_query_gqa5": ([1300], 1, 5, 64, 9, 80, {"qdtype": torch.float32}),
     "gqa20_two_chunks": ([500], 1, 20, 64, 6, 30, {}),
+    # head_dims that are not a multiple of 64, so the SIMD V passes' last dimension block is partial
+    # (80 = 64 + 16, 48 = 3 x 16), and 6 heads: a second, half-empty 4-head block
+    "d80_gqa6_two_head_blocks": ([1700, 400], 2, 6, 80, 8, 40, {}),
+    "d48_gqa3": ([1500], 1, 3, 48, 7, 40, {}),
 }
 
 
