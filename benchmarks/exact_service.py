@@ -14,9 +14,14 @@ the same paged cache and queries, SmolLM2's shape (30 layers, MAGICPIG's default
 engine step each, alternating step by step in one process on one thread. vLLM's kernel op is
 timed inside both, so the table splits each step into the kernel and everything around it.
 
-Requests are planned exact as contexts under ``min_sparse_context`` are (``short_context``): the
-same path as the other reasons from the planner on, and one that an older checkout (``--tree``)
-takes too. ``--tree DIR`` times another built checkout's vllm_magicpig (a git worktree of an
+``--reason short_context`` (the default) plans requests exact as contexts under
+``min_sparse_context`` are: the same path as the other reasons from the planner on, and one that
+an older checkout (``--tree``) takes too. ``--reason index_deferred`` takes the path a new prompt
+takes while its index has not paid for its build (the cost model's ski-rental, ``cost_model.py``):
+the planner finds the prompt's centre and asks the cost model every step. For that, the cost model
+is primed, before the timed steps, with timings that say sampling pays at this context (exact
+1 ms, sampled 1 us per request and layer) and a build that never pays back (1000 s); the timed
+steps' own exact timings then join its fit, as in an engine. ``--tree DIR`` times another built checkout's vllm_magicpig (a git worktree of an
 earlier commit); run it and the default in turn to compare commits through the drift.
 """
 from __future__ import annotations
@@ -71,7 +76,15 @@ def vllm_config(model: str, magicpig: dict):
                       cache_config=CacheConfig(block_size=BS), additional_config={"magicpig": magicpig})
 
 
-def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> dict:
+def prime_deferral(cost, ctx: int) -> None:
+    """Cost-model timings under which every prompt of ``ctx`` keys waits for its build (module docs)."""
+    for _ in range(cost.min_steps):
+        cost.observe_exact(1, ctx, 1e-3)
+        cost.observe_sparse(1, ctx, 1e-6)
+    cost.observe_build(1, 1e3)
+
+
+def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer, reason: str = "short_context") -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
@@ -80,7 +93,10 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
     from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
     from vllm_magicpig.kv_layout import amx_granted
 
-    cfg = vllm_config(model, {"min_sparse_context": ctx + 1, "background_index": False, "log_stats_interval": 0})
+    magicpig = {"background_index": False, "log_stats_interval": 0}
+    if reason == "short_context":
+        magicpig["min_sparse_context"] = ctx + 1
+    cfg = vllm_config(model, magicpig)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(ctx + batch)
@@ -112,6 +128,9 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
         impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
                  "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}
 
+        if reason == "index_deferred":
+            prime_deferral(builders["MAGICPIG"].runtime.cost, ctx)
+
         def step(name: str) -> None:
             meta = builders[name].build(0, cam)
             for layer, impl in zip(layers, impls[name]):
@@ -126,8 +145,8 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer) -> di
                 if i >= 3:  # the first steps warm up
                     times[name].append((time.perf_counter() - t0, timer.seconds))
         st = builders["MAGICPIG"].runtime.stats.snapshot()
-    assert st["decode_sparse"] == 0 and set(st["decode_exact"]) == {"short_context", "dense_layer"}, st
-    row = {"context": ctx, "batch": batch, "steps": steps}
+    assert st["decode_sparse"] == 0 and set(st["decode_exact"]) == {reason, "dense_layer"}, st
+    row = {"context": ctx, "batch": batch, "steps": steps, "reason": reason}
     for name, ts in times.items():
         row[f"{name}_step_ms"] = round(1e3 * statistics.median(t for t, _ in ts), 3)
         row[f"{name}_kernel_ms"] = round(1e3 * statistics.median(k for _, k in ts), 3)
@@ -141,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--steps", type=int, default=40, help="timed steps of each backend per row")
     ap.add_argument("--tree", default=None, help="another built checkout to time (see the module docs)")
+    ap.add_argument("--reason", choices=("short_context", "index_deferred"), default="short_context",
+                    help="why the planner serves the decodes exactly (see the module docs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # vLLM's default binding gives the worker one core here
 
@@ -160,13 +181,14 @@ def main(argv=None) -> int:
 
 
 def table(model: str, args, timer: _KernelTimer) -> None:
-    print(f"timing {TREE}: one engine step (30 layers), both backends alternating, medians of {args.steps}")
+    print(f"timing {TREE}: one engine step (30 layers), both backends alternating, medians of {args.steps}; "
+          f"MAGICPIG's decodes exact as {args.reason}")
     print("| context | batch | CPU_ATTN step ms | MAGICPIG step ms | ratio | vLLM kernel ms (CPU_ATTN / MAGICPIG) "
           "| around the kernel ms (CPU_ATTN / MAGICPIG) | MAGICPIG's extra ms |")
     print("|---|---|---|---|---|---|---|---|")
     for ctx in (int(x) for x in args.contexts.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
-            r = run(model, ctx, batch, args.steps, timer)
+            r = run(model, ctx, batch, args.steps, timer, args.reason)
             extra = r["MAGICPIG_around_ms"] - r["CPU_ATTN_around_ms"]
             print(f"| {ctx} | {batch} | {r['CPU_ATTN_step_ms']} | {r['MAGICPIG_step_ms']} | "
                   f"{r['CPU_ATTN_step_ms'] / r['MAGICPIG_step_ms']:.3f}x | {r['CPU_ATTN_kernel_ms']} / "
