@@ -21,8 +21,10 @@ takes while its index has not paid for its build (the cost model's ski-rental, `
 the planner finds the prompt's centre and asks the cost model every step. For that, the cost model
 is primed, before the timed steps, with timings that say sampling pays at this context (exact
 1 ms, sampled 1 us per request and layer) and a build that never pays back (1000 s); the timed
-steps' own exact timings then join its fit, as in an engine. ``--tree DIR`` times another built checkout's vllm_magicpig (a git worktree of an
-earlier commit); run it and the default in turn to compare commits through the drift.
+steps' own exact timings then join its fit, as in an engine.
+
+``--tree DIR`` times another built checkout's vllm_magicpig (a git worktree of an earlier commit);
+run it and the default in turn to compare commits through the drift.
 """
 from __future__ import annotations
 
