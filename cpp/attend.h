@@ -34,8 +34,8 @@ constexpr float kAcosCoef[kAcosTerms] = {-0.0012624911f, 0.0066700901f, -0.01708
 constexpr int kExpTerms = 7;
 constexpr float kExpCoef[kExpTerms] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
 constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.69314718055994531f;
-// Weights e^x below e^-87 (under FLT_MIN) are flushed to exactly 0 by both paths, so both skip the
-// same rows in the V accumulation.
+// Weights e^x below e^-87 (under FLT_MIN) are flushed to exactly 0 by both paths, so both leave the
+// same rows out of the V sums (attend_scalar skips them; the SIMD V passes add 0 * v, see row_weights).
 constexpr float kExpFloor = -87.f;
 // A centred key at the centre (or q = 0) has no direction: below this |q||k - c| the key is
 // treated as orthogonal (cos = 0).
@@ -110,7 +110,8 @@ inline void prefetch_bytes(const void* p, int nbytes) {
 }
 // What each pass of the attention reads of row i ahead of time: its K row (with the norm of a
 // segment's key), or its V row.  (Prefetching a segment's V row with its K row, for the V pass to
-// find in L2, measured no faster: kernel_bench's cold 16K and 128K layers, 2026-12-02.)
+// find in L2, measured no faster: an ad hoc cold-cache run of kernel_bench's layer at 16K, one
+// thread, and 128K head_dim 128, two threads, in turn with this, 2026-12-02.)
 inline void prefetch_key(const Rows& rows, int i, int d) {
   if (rows.kv8) {
     prefetch_bytes(rows.row8(i), kInt8KeyOffset + d);

@@ -1,6 +1,7 @@
 // Scalar attention, the twin of attend_avx512 (attend_avx512.cpp) and the production path on CPUs
 // without AVX-512.  Same three phases, same correction table and interpolation, same acos and e^x
-// polynomials, same zero-weight skip: the two differ only in vector width, FMA and summation order.
+// polynomials, same zero weights (this path skips their rows, the SIMD V passes add 0 * v): the two
+// differ only in vector width, FMA and summation order.
 // Also home of the correction table both paths read.
 #include <cmath>
 #include <map>
