@@ -88,6 +88,7 @@ struct Rows {
                // int8_row_bytes(d) bytes in an int8 mirror
   bool seg;
   bool scores_ready;  // dense tile whose q.k are already in scratch.scores (dense_scores_*): no K rows
+  const Unit* amx;    // dense unit of vLLM's AMX cache: V read from its tiles (values_amx_avx512), no vb
   int off[MAXG + 1];
   const uint16_t* row(const uint16_t* base, int i) const {
     return base + static_cast<size_t>(idx ? idx[i] : i) * stride;
@@ -246,7 +247,15 @@ void dense_scores_scalar(const AttnArgs& args, const Unit& unit, const Heads& he
 
 void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                    const float* neg_log_u_table);
+// Whether the cache's K / V are vLLM's AMX tiles (kv_layout.CpuAmxLayout), which gather_dense reads
+// a bf16 pair at a time and the AVX-512 path (bf16 caches) in place (dense_amx_avx512.cpp).
+bool amx_key_tiles(const AttnArgs& args);
+bool amx_value_tiles(const AttnArgs& args);
 #if defined(__x86_64__)
+// A dense unit of an AMX cache: q.k into scratch.scores as dense_scores_avx2 lays them out, and
+// acc[g] = sum of w[g] * v over its tokens (w: row_weights', gp its row width).
+void dense_scores_amx_avx512(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch);
+void values_amx_avx512(const AttnArgs& args, const Unit& unit, const float* w, int gp, int G, float* acc);
 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch);
 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                  const float* neg_log_u_table);

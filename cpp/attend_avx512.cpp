@@ -175,6 +175,11 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
 
   // acc[g] = sum of w[g] * v over the rows (row_weights), heads in fours, 64 dimensions at a time.
   const int gp = row_weights(rows, G, scratch.scores.data(), scratch.wrow);
+  if (rows.amx) {
+    values_amx_avx512(args, *rows.amx, scratch.wrow.data(), gp, G, part.acc);
+    pt.tick(kPhaseSoftmaxV);
+    return;
+  }
   for (int g0 = 0; g0 < G; g0 += 4)
     for (int j0 = 0; j0 < d; j0 += 64) {
       const int nv = std::min(4, (d - j0) / 16);

@@ -78,6 +78,17 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   }
 }
 
+bool amx_key_tiles(const AttnArgs& args) {
+  const AttnArgs::CacheTiles& t = args.kt;
+  return t.tiled(args.block_size, args.d) && t.tg == 16 && args.ks[1] == 2 && t.t_outer == 16 * args.d && t.jg == 2 &&
+         args.ks[3] == 1 && t.j_outer == 32;
+}
+bool amx_value_tiles(const AttnArgs& args) {
+  const AttnArgs::CacheTiles& t = args.vt;
+  return t.tiled(args.block_size, args.d) && t.tg == 2 && args.vs[1] == 1 && t.t_outer == 32 && t.jg == 16 &&
+         args.vs[3] == 2 && t.j_outer == 16 * args.block_size;
+}
+
 // The unit's dense tokens as row-major K and V tiles, a run of tokens inside one block at a time.
 // Rows that are not contiguous in the cache (a column-major K whose q.k is not read in place by
 // dense_scores_*) are read a column at a time, down contiguous memory, rather than one strided
@@ -127,10 +138,7 @@ void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool
   };
   const bool k_tiled = args.kt.tiled(args.block_size, d), v_tiled = args.vt.tiled(args.block_size, d);
   const bool fast = !args.force_scalar;
-  const bool k_amx = fast && k_tiled && args.kt.tg == 16 && args.ks[1] == 2 && args.kt.t_outer == 16 * d &&
-                     args.kt.jg == 2 && args.ks[3] == 1 && args.kt.j_outer == 32;
-  const bool v_amx = fast && v_tiled && args.vt.tg == 2 && args.vs[1] == 1 && args.vt.t_outer == 32 &&
-                     args.vt.jg == 16 && args.vs[3] == 2;
+  const bool k_amx = fast && amx_key_tiles(args), v_amx = fast && amx_value_tiles(args);
   // The generic tiled copy's element offsets, computed only where it runs (not on "vec" caches).
   int64_t *kelem = nullptr, *velem = nullptr;
   if ((keys && k_tiled && !k_amx) || (v_tiled && !v_amx)) {

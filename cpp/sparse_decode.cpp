@@ -203,12 +203,17 @@ int64_t sparse_decode(const AttnArgs& in) {
       // only V copied to a tile.  A K tile of such a cache is a transpose, one strided element per
       // (token, j), which with the per-row dot products made an exact tail token cost ~4x what
       // vLLM's own kernel spends on it.
-      const bool direct = keys_column_major(args);
-      gather_dense(args, unit, scratch, !direct);
+      // vLLM's AMX tiles (bf16) on the AVX-512 path: q.k and the V sums straight from the tiles,
+      // no tile copied (dense_amx_avx512.cpp).
+      const bool amx = isa >= Isa::Avx512 && args.dtype == BF16 && amx_key_tiles(args) && amx_value_tiles(args);
+      const bool direct = amx || keys_column_major(args);
+      if (!amx) gather_dense(args, unit, scratch, !direct);
       rows.n = unit.end - unit.begin;
       if (direct) {
 #if defined(__x86_64__)
-        if (isa >= Isa::Avx2)
+        if (amx)
+          dense_scores_amx_avx512(args, unit, heads, scratch);
+        else if (isa >= Isa::Avx2)
           dense_scores_avx2(args, unit, heads, scratch);
         else
 #endif
@@ -217,7 +222,8 @@ int64_t sparse_decode(const AttnArgs& in) {
       }
       scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
       rows.kb = direct ? nullptr : scratch.ktile.data();
-      rows.vb = scratch.vtile.data();
+      rows.vb = amx ? nullptr : scratch.vtile.data();
+      rows.amx = amx ? &unit : nullptr;
       rows.stride = args.d;
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
       std::fill_n(part_count + slot, unit.G, int64_t{0});

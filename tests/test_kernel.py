@@ -16,7 +16,7 @@ import torch
 
 from vllm_magicpig import kernel as kx
 from vllm_magicpig.eval import reference as ref
-from vllm_magicpig.kv_layout import CpuAmxLayout, FlashLayout
+from vllm_magicpig.kv_layout import CpuAmxLayout, CpuVecLayout, FlashLayout
 
 from helpers import to_paged
 
@@ -248,23 +248,25 @@ def test_row_major_cache_matches_reference(name, force_scalar):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("force_scalar", PATHS)
-def test_amx_tiled_cache_matches_reference_and_row_major(name, force_scalar):
+def test_amx_tiled_cache_matches_reference_and_its_twin_layout(name, force_scalar):
     """The same estimator over vLLM's AMX cache layout (K and V in bf16-pair tiles, read through a
-    6-D view): dense tokens are gathered through the tiles (a bf16 pair at a time, or element by
-    element on the scalar path) into the same row-major tiles a row-major cache gives, so the
-    output is bit for bit the row-major
-    layout's over the same values (the same seed writes the same cache contents), and within the
-    float64 reference's tolerance."""
+    6-D view), within the float64 reference's tolerance and bit for bit the output of the layout
+    whose arithmetic its path shares, over the same values (the same seed writes the same cache
+    contents). The AVX-512 path reads a bf16 cache's tiles in place (dense_amx_avx512.cpp) with the
+    "vec" layout's sums (its column-major q.k, then V token by token); the scalar and AVX2 paths,
+    and fp16 caches, gather the tiles into the row-major tiles a row-major cache gives."""
     seed, gen = new_seed()
     lens, hkv, G, D, K, L, extra = CONFIGS[name]
     extra = {**extra, "block_size": max(32, extra.get("block_size", 16))}  # vLLM's AMX blocks: multiples of 32
     case = Case(gen, lens, hkv, G, D, K, L, layout=CpuAmxLayout(), **extra)
     assert case.kview.dim() == 6 and case.vview.dim() == 6
     out, lse, cnt = check_case(case, seed, force_scalar, f"{name} AMX tiles")
-    row_major = Case(torch.Generator().manual_seed(seed), lens, hkv, G, D, K, L, layout=FlashLayout(), **extra)
-    r_out, r_lse, r_cnt = row_major.run(force_scalar)
-    assert torch.equal(cnt, r_cnt), f"seed={seed}"
-    assert torch.equal(out, r_out) and torch.equal(lse, r_lse), f"seed={seed}: AMX tiles differ from row-major"
+    in_place = not force_scalar and kx.active_isa().startswith("avx512") and case.kview.dtype == torch.bfloat16
+    twin_layout = CpuVecLayout() if in_place else FlashLayout()
+    twin = Case(torch.Generator().manual_seed(seed), lens, hkv, G, D, K, L, layout=twin_layout, **extra)
+    t_out, t_lse, t_cnt = twin.run(force_scalar)
+    assert torch.equal(cnt, t_cnt), f"seed={seed}"
+    assert torch.equal(out, t_out) and torch.equal(lse, t_lse), f"seed={seed}: AMX tiles differ from {twin_layout.name}"
 
 
 @pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c[2] > 4])
