@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -185,6 +186,25 @@ inline int row_weights(const Rows& rows, int G, const float* sc, std::vector<flo
     for (int g = G; g < gp; ++g) wi[g] = 0.f;
   }
   return gp;
+}
+
+// The SIMD V passes' blocks: heads in fours (g0), dimensions in 64s (j0), and a block's width in
+// 16-float vectors (1..4, the last block of a head_dim not a multiple of 64 is narrower) as a
+// compile-time constant: f(g0, j0, std::integral_constant<int, NV>{}), so its sums stay in registers.
+template <class F>
+inline void for_each_value_block(int d, int G, F&& f) {
+  for (int g0 = 0; g0 < G; g0 += 4)
+    for (int j0 = 0; j0 < d; j0 += 64) {
+      const int nv = std::min(4, (d - j0) / 16);
+      if (nv == 4)
+        f(g0, j0, std::integral_constant<int, 4>{});
+      else if (nv == 3)
+        f(g0, j0, std::integral_constant<int, 3>{});
+      else if (nv == 2)
+        f(g0, j0, std::integral_constant<int, 2>{});
+      else
+        f(g0, j0, std::integral_constant<int, 1>{});
+    }
 }
 
 inline int64_t now_ns() {

@@ -2,8 +2,6 @@
 // logits and softmax, 16 dims per vector in the dot products, and the V accumulation in registers,
 // 4 heads x 64 dims (values_block).
 #if defined(__x86_64__)
-#include <type_traits>
-
 #include "simd_math.h"
 
 namespace mp {
@@ -180,25 +178,13 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
     pt.tick(kPhaseSoftmaxV);
     return;
   }
-  for (int g0 = 0; g0 < G; g0 += 4)
-    for (int j0 = 0; j0 < d; j0 += 64) {
-      const int nv = std::min(4, (d - j0) / 16);
-      auto run = [&](auto nvc) {
-        constexpr int NV = decltype(nvc)::value;
-        if (rows.kv8)
-          values_block<NV, true>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
-        else
-          values_block<NV, false>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
-      };
-      if (nv == 4)
-        run(std::integral_constant<int, 4>{});
-      else if (nv == 3)
-        run(std::integral_constant<int, 3>{});
-      else if (nv == 2)
-        run(std::integral_constant<int, 2>{});
-      else
-        run(std::integral_constant<int, 1>{});
-    }
+  for_each_value_block(d, G, [&](int g0, int j0, auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    if (rows.kv8)
+      values_block<NV, true>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
+    else
+      values_block<NV, false>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
+  });
   pt.tick(kPhaseSoftmaxV);
 }
 

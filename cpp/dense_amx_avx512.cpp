@@ -130,18 +130,9 @@ MP_AVX512 void values_amx_block(const AttnArgs& args, const Unit& unit, const fl
 }
 
 MP_AVX512 void values_amx_avx512(const AttnArgs& args, const Unit& unit, const float* w, int gp, int G, float* acc) {
-  for (int g0 = 0; g0 < G; g0 += 4)
-    for (int j0 = 0; j0 < args.d; j0 += 64) {
-      const int nv = std::min(4, (args.d - j0) / 16);
-      if (nv == 4)
-        values_amx_block<4>(args, unit, w, gp, g0, j0, G, acc);
-      else if (nv == 3)
-        values_amx_block<3>(args, unit, w, gp, g0, j0, G, acc);
-      else if (nv == 2)
-        values_amx_block<2>(args, unit, w, gp, g0, j0, G, acc);
-      else
-        values_amx_block<1>(args, unit, w, gp, g0, j0, G, acc);
-    }
+  for_each_value_block(args.d, G, [&](int g0, int j0, auto nv) {
+    values_amx_block<decltype(nv)::value>(args, unit, w, gp, g0, j0, G, acc);
+  });
 }
 
 }  // namespace mp

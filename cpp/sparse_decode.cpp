@@ -108,6 +108,11 @@ int64_t sparse_decode(const AttnArgs& in) {
   // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
   if (isa == Isa::Avx512Bf16 && !(args.q_dtype == BF16 && args.dtype == BF16)) isa = Isa::Avx512;
   const float* neg_log_u_table = corr_table(args.K, args.L_read);
+  // How dense units read the cache, the same for all of them.  vLLM's AMX tiles (bf16) on the
+  // AVX-512 path: q.k and the V sums straight from the tiles, no tile copied (dense_amx_avx512.cpp).
+  // Column-major K (the "vec" layout): q.k straight from the cache (see the unit loop).
+  const bool dense_amx = isa >= Isa::Avx512 && args.dtype == BF16 && amx_key_tiles(args) && amx_value_tiles(args);
+  const bool dense_direct = dense_amx || keys_column_major(args);
   const int nt = team_size(args.num_threads);
   // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
   // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic
@@ -199,19 +204,15 @@ int64_t sparse_decode(const AttnArgs& in) {
       rows.seg = true;
       pt.tick(kPhaseLookup);
     } else {
-      // Column-major K (vLLM's CPU cache): q.k straight from the cache, 8 tokens a vector, and
+      // Column-major K (the "vec" cache): q.k straight from the cache, 8 tokens a vector, and
       // only V copied to a tile.  A K tile of such a cache is a transpose, one strided element per
       // (token, j), which with the per-row dot products made an exact tail token cost ~4x what
       // vLLM's own kernel spends on it.
-      // vLLM's AMX tiles (bf16) on the AVX-512 path: q.k and the V sums straight from the tiles,
-      // no tile copied (dense_amx_avx512.cpp).
-      const bool amx = isa >= Isa::Avx512 && args.dtype == BF16 && amx_key_tiles(args) && amx_value_tiles(args);
-      const bool direct = amx || keys_column_major(args);
-      if (!amx) gather_dense(args, unit, scratch, !direct);
+      if (!dense_amx) gather_dense(args, unit, scratch, !dense_direct);
       rows.n = unit.end - unit.begin;
-      if (direct) {
+      if (dense_direct) {
 #if defined(__x86_64__)
-        if (amx)
+        if (dense_amx)
           dense_scores_amx_avx512(args, unit, heads, scratch);
         else if (isa >= Isa::Avx2)
           dense_scores_avx2(args, unit, heads, scratch);
@@ -221,9 +222,9 @@ int64_t sparse_decode(const AttnArgs& in) {
         rows.scores_ready = true;
       }
       scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
-      rows.kb = direct ? nullptr : scratch.ktile.data();
-      rows.vb = amx ? nullptr : scratch.vtile.data();
-      rows.amx = amx ? &unit : nullptr;
+      rows.kb = dense_direct ? nullptr : scratch.ktile.data();
+      rows.vb = dense_amx ? nullptr : scratch.vtile.data();
+      rows.amx = dense_amx ? &unit : nullptr;
       rows.stride = args.d;
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
       std::fill_n(part_count + slot, unit.G, int64_t{0});
