@@ -18,11 +18,11 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 import vllm_magicpig
 from vllm_magicpig.config import MagicPigConfigError
 from vllm_magicpig.decode_methods import LayerContext
+from vllm_magicpig.exact_tally import ExactTally
 from vllm_magicpig.layer import SparseLayer
 from vllm_magicpig.limits import SUPPORTED_HEAD_SIZES
 from vllm_magicpig.planner import DecodePlan, StepPlanner
 from vllm_magicpig.runtime import MagicPigRuntime
-from vllm_magicpig.stats import EXACT_DENSE_LAYER
 
 logger = init_logger("vllm.magicpig")  # under vLLM's logger tree, so its handler prints it
 
@@ -102,6 +102,11 @@ class MagicPigMetadata:
     prefill: Any  # prefill requests only, when mixed with decodes, or None
     runtime: MagicPigRuntime
     sparse_plan: DecodePlan | None = None
+    # the layers whose decodes the platform kernel attends (exact_tally.py); None without decodes
+    exact_tally: ExactTally | None = None
+    # no decode request is sampled this step and no observer needs the sparse layers' hooks: every
+    # layer hands the whole batch to the platform kernel, as the platform's own backend would
+    platform_serves_decodes: bool = False
 
     # vLLM reads these names on metadata objects in a few generic places.
     @property
@@ -136,11 +141,9 @@ class MagicPigBuilderMixin:
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> MagicPigMetadata:
         cam = common_attn_metadata
         full = super().build(common_prefix_len, cam, fast_build)
-        # A 1-token chunk that is still prefilling has an incomplete prompt: keep it exact.
-        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
-            cam, decode_threshold=1, treat_short_extends_as_decodes=False
-        )
+        num_decodes, num_prefills, num_decode_tokens = decodes_and_prefills(cam)
         rt = self.runtime
+        rt.fold_exact_tally()  # the previous step's, before the cost model plans this one
         stats = rt.stats
         stats.steps += 1
         if num_prefills:
@@ -166,6 +169,12 @@ class MagicPigBuilderMixin:
         plan = self.planner.plan(host, num_decodes, rt.step_settings()) if num_decodes else None
         if rt.cfg.log_stats_interval and stats.steps % rt.cfg.log_stats_interval == 0:
             logger.info(stats.summary_line())
+        tally, platform_serves = None, False
+        if plan is not None:
+            platform_serves = not plan.sparse and not rt.observers
+            reasons = [] if plan.sparse else list(plan.exact_reason.values())
+            tally = ExactTally(num_decodes, reasons, plan.context_keys, plan.timed and not num_prefills)
+            rt.start_exact_tally(tally)
         return MagicPigMetadata(
             full=full,
             num_decodes=num_decodes,
@@ -175,7 +184,23 @@ class MagicPigBuilderMixin:
             prefill=prefill,
             runtime=rt,
             sparse_plan=plan,
+            exact_tally=tally,
+            platform_serves_decodes=platform_serves,
         )
+
+
+def decodes_and_prefills(cam) -> tuple[int, int, int]:
+    """(decode requests, prefill requests, decode tokens) of a batch whose decodes come first. A
+    1-token chunk that is still prefilling has an incomplete prompt: it counts as a prefill, kept
+    exact. A batch of 1-token queries none of which is prefilling is all decodes, known without
+    vLLM's general split (which costs ~40 us of torch calls a step)."""
+    if cam.max_query_len <= 1 and cam.num_actual_tokens == cam.num_reqs and (
+            cam.is_prefilling is None or not bool(cam.is_prefilling[: cam.num_reqs].any())):
+        return cam.num_reqs, 0, cam.num_actual_tokens
+    num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+        cam, decode_threshold=1, treat_short_extends_as_decodes=False
+    )
+    return num_decodes, num_prefills, num_decode_tokens
 
 
 def check_layer_features(alibi_slopes, sliding_window, sinks, logits_soft_cap) -> None:
@@ -231,16 +256,17 @@ class MagicPigImplMixin:
         if self.sparse_layer is not None and meta.runtime.mirror is not None:
             # The step's KV is written (vLLM's KV update runs before attention): mirror what completed.
             meta.runtime.mirror.copy_layer(layer.layer_name, meta.runtime.layout.views(kv_cache))
-        nd = meta.num_decode_tokens
-        if meta.num_decodes == 0 or self.sparse_layer is None:
-            if not meta.num_decodes:
-                return super().forward(layer, query, key, value, kv_cache, meta.full, output)
-            meta.runtime.stats.decode_exact[EXACT_DENSE_LAYER] += meta.num_decodes
+        if not meta.num_decodes:
+            return super().forward(layer, query, key, value, kv_cache, meta.full, output)
+        if self.sparse_layer is None or meta.platform_serves_decodes:
+            # The platform kernel attends the whole batch, as under the platform's own backend; the
+            # layer adds its decodes and its time to the step's tally (exact_tally.py: per-layer
+            # accounting here cost more than a cheap layer's attention).
             t0 = time.perf_counter()
             super().forward(layer, query, key, value, kv_cache, meta.full, output)
-            if not meta.num_prefills:  # a pure decode step: exact attention's cost, for the cost model
-                observe_exact(meta, time.perf_counter() - t0)
+            meta.exact_tally.add(self.sparse_layer is None, time.perf_counter() - t0)
             return output
+        nd = meta.num_decode_tokens
         if meta.num_prefills:
             t = meta.full.num_actual_tokens
             super().forward(layer, query[nd:t], key[nd:t], value[nd:t], kv_cache, meta.prefill, output[nd:t])
@@ -257,11 +283,10 @@ class MagicPigImplMixin:
         kv = self.sparse_layer.begin(kv_cache, plan)
         rt = meta.runtime
         if not plan.sparse:
-            # Nothing to sample this step: the platform kernel is the fastest exact path.
-            self.sparse_layer.account_exact(plan)
+            # Nothing to sample this step, and observers ran in begin(): the platform kernel serves it.
             t0 = time.perf_counter()
             super().forward(layer, query, key, value, kv_cache, meta.decode, output)
-            observe_exact(meta, time.perf_counter() - t0)
+            meta.exact_tally.add(False, time.perf_counter() - t0)
             return
         nd = meta.num_decode_tokens
         if query.shape[0] != nd:
@@ -272,9 +297,3 @@ class MagicPigImplMixin:
             seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
             rt.cost.observe_sparse(len(plan.sparse), plan.context_keys, seconds)
 
-
-def observe_exact(meta: MagicPigMetadata, seconds: float) -> None:
-    """Exact attention over the step's decode requests took ``seconds`` (for the cost model)."""
-    cost, plan = meta.runtime.cost, meta.sparse_plan
-    if cost is not None and plan is not None and plan.timed:
-        cost.observe_exact(plan.num_decodes, plan.context_keys, seconds)

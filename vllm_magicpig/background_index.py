@@ -128,6 +128,8 @@ class BackgroundIndexer:
 
     def install_finished(self) -> None:
         """Install the segments of finished jobs (call after the step's invalidations)."""
+        if not self._pending:  # every step calls this; most have nothing in flight
+            return
         while True:
             try:
                 job = self._done.get_nowait()

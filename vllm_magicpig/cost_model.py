@@ -75,22 +75,31 @@ class LinearCost:
         self.decay = decay
         self.shape = shape
         self.steps = 0
-        self._s = [[0.0, 0.0], [0.0, 0.0]]  # sum of x x^T
-        self._t = [0.0, 0.0]  # sum of x * seconds
+        # Weighted sums of x x^T (s00, s01, s11) and of x * seconds (t0, t1). Forgetting scales the
+        # weight of new observations up instead of every sum down (the fit is the same, up to a
+        # common factor): forget() runs every engine step, and this is one multiplication.
+        self._s00 = self._s01 = self._s11 = self._t0 = self._t1 = 0.0
+        self._w = 1.0
 
-    def add(self, requests: int, keys: int, seconds: float) -> None:
-        x = (float(requests), keys * KEY_SCALE)
-        for i in range(2):
-            self._t[i] += x[i] * seconds
-            for j in range(2):
-                self._s[i][j] += x[i] * x[j]
-        self.steps += 1
+    def add(self, requests: int, keys: int, seconds: float, count: int = 1) -> None:
+        """``count`` observations of this shape whose seconds average ``seconds`` (for least squares
+        the same as adding them one by one)."""
+        x0, x1, w = float(requests), keys * KEY_SCALE, self._w * count
+        self._s00 += w * x0 * x0
+        self._s01 += w * x0 * x1
+        self._s11 += w * x1 * x1
+        self._t0 += w * x0 * seconds
+        self._t1 += w * x1 * seconds
+        self.steps += count
 
     def forget(self) -> None:
-        """A new step: earlier observations weigh ``decay`` times less."""
-        d = self.decay
-        self._t = [d * t for t in self._t]
-        self._s = [[d * v for v in row] for row in self._s]
+        """A new step: earlier observations weigh ``decay`` times less than later ones."""
+        self._w /= self.decay
+        if self._w > 1e150:  # renormalise long before the weights overflow
+            k = 1.0 / self._w
+            self._s00, self._s01, self._s11, self._t0, self._t1 = (
+                k * v for v in (self._s00, self._s01, self._s11, self._t0, self._t1))
+            self._w = 1.0
 
     def coefficients(self) -> tuple[float, float] | None:
         """(seconds per request, seconds per 10K keys), or None while the fit is undetermined.
@@ -104,8 +113,7 @@ class LinearCost:
         Where the data would make a coefficient negative, it cannot tell the two terms apart, so
         the fit is the one-term model of this side's ``shape`` through the same data: exact
         attention over 4x the keys then costs 4x, not (as a constant would say) the same."""
-        (s00, s01), (_, s11) = self._s
-        t0, t1 = self._t
+        s00, s01, s11, t0, t1 = self._s00, self._s01, self._s11, self._t0, self._t1
         if s00 <= 0:
             return None
         ridge = 1e-6 * (s00 + s11)
@@ -161,9 +169,11 @@ class DecodeCostModel:
         self._explore = False
         self._lock = threading.Lock()
 
-    def observe_exact(self, requests: int, keys: int, seconds: float) -> None:
+    def observe_exact(self, requests: int, keys: int, seconds: float, layers: int = 1) -> None:
+        """Exact attention over ``requests`` requests of ``keys`` keys in all took ``seconds`` per
+        layer, averaged over ``layers`` layers of one step."""
         with self._lock:
-            self.exact.add(requests, keys, seconds)
+            self.exact.add(requests, keys, seconds, layers)
 
     def observe_sparse(self, requests: int, keys: int, seconds: float) -> None:
         with self._lock:

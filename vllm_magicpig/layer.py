@@ -1,9 +1,9 @@
 """One sparse layer's execution of the step plan, and the accounting of every decode, once.
 
 ``SparseLayer.begin`` binds the step's settings, reads the layer's KV views and tells the
-extensions' layer observers; then either the platform kernel serves the batch (nothing sampled
-this step) and :meth:`SparseLayer.account_exact` counts it, or :meth:`SparseLayer.forward` runs
-the step's decode method (``decode_methods.py``) and counts what it reports.
+extensions' layer observers; then :meth:`SparseLayer.forward` runs the step's decode method
+(``decode_methods.py``) and counts what it reports. A step that samples no request never gets
+here without observers: the platform kernel serves it, counted in the step's ``ExactTally``.
 
 Budget mode (``budget.py``): each request has its own (K, L) in each layer, chosen from its own
 query/key angles and steered by what the kernel samples for it. The decode method runs once per
@@ -94,10 +94,6 @@ class SparseLayer:
                                                  plan.covered[r], lambda: request_angles(ctx, q, kv, plan, r))
 
     # ------------------------------------------------------------------ accounting
-    def account_exact(self, plan: DecodePlan) -> None:
-        """The platform kernel served every decode request of the plan (none was planned sparse)."""
-        self._account(plan, DecodeResult(served=[]), label=None)
-
     def _account(self, plan: DecodePlan, result: DecodeResult, label: str | None) -> None:
         stats = self.ctx.runtime.stats
         for reason in plan.exact_reason.values():

@@ -17,6 +17,7 @@ from vllm_magicpig.background_index import BackgroundIndexer
 from vllm_magicpig.budget import Budget
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.cost_model import DecodeCostModel
+from vllm_magicpig.exact_tally import ExactTally
 from vllm_magicpig.host_mirror import HostMirror
 from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
@@ -78,6 +79,9 @@ class MagicPigRuntime:
             enabled=cfg.background_index and decode_methods.MAGICPIG not in self.methods)  # a platform's own
         # MAGICPIG method (the split decode on CUDA) builds its own way, at the first decode
         self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
+        # the latest step's layers served by the platform kernel, folded when read (exact_tally.py)
+        self._exact_tally: ExactTally | None = None
+        self.stats.add_flush(self.fold_exact_tally)
         extensions.load()
         self._config_settings = StepSettings.from_config(cfg)  # the config is immutable: once
         for init in extensions.RUNTIME_INITS:
@@ -93,6 +97,16 @@ class MagicPigRuntime:
     def decode_method(self, name: str):
         """The implementation of decode method ``name`` on this runtime's platform."""
         return self.methods.get(name) or decode_methods.get_method(name)
+
+    def start_exact_tally(self, tally: ExactTally) -> None:
+        """The new step's tally; the previous one is folded first."""
+        self.fold_exact_tally()
+        self._exact_tally = tally
+
+    def fold_exact_tally(self) -> None:
+        """Count what the platform kernel served so far (every stats read and step plan calls this)."""
+        if self._exact_tally is not None:
+            self._exact_tally.fold(self.stats, self.cost)
 
     def step_settings(self) -> StepSettings:
         """The config's settings, after the extensions' settings hooks."""

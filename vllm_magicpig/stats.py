@@ -43,11 +43,22 @@ class Stats:
         # the most index + mirror bytes ever held at once (a gauge of the worker's life: no reset)
         self.held_bytes_peak = 0
         self.index: Counter[str] = Counter()
+        # called before the counters are read or reset: counts kept elsewhere for speed join them
+        self._flushes: list[Callable[[], None]] = []
         self.reset()
+
+    def add_flush(self, flush: Callable[[], None]) -> None:
+        """``flush()`` adds counts kept elsewhere (``exact_tally.py``) to ours before every read."""
+        self._flushes.append(flush)
+
+    def flush(self) -> None:
+        for flush in self._flushes:
+            flush()
 
     def reset(self) -> None:
         """Zero the counters. The index gauges (bytes, live segments) describe what is
         held now, so they survive a reset."""
+        self.flush()  # what happened before the reset goes with it
         held = {k: self.index[k] for k in _GAUGES if k in self.index}
         self.steps = 0
         self.decode_sparse = 0
@@ -86,6 +97,7 @@ class Stats:
         return tot_s / tot_c if tot_c else None
 
     def snapshot(self) -> dict[str, Any]:
+        self.flush()
         with self._lock:
             per_layer = {name: (v[0] / v[1] if v[1] else None) for name, v in sorted(self.sampled.items())}
             out = {
@@ -113,6 +125,7 @@ class Stats:
             return out
 
     def summary_line(self) -> str:
+        self.flush()
         frac = self.sampled_fraction()
         exact = ", ".join(f"{k}={v}" for k, v in sorted(self.decode_exact.items())) or "none"
         extra = [text for _, _, summary in self._sections.values() if summary is not None and (text := summary())]

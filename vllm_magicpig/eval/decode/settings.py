@@ -173,9 +173,15 @@ def set_decode_method(runtime, method: str | None) -> dict:
     return set_eval(runtime, **({} if method is None else {"method": method}))
 
 
+_NO_OVERRIDE = EvalOverride()
+
+
 def apply_override(runtime, settings):
-    """The settings hook: the step's settings with the override applied."""
+    """The settings hook: the step's settings with the override applied. It runs every step of
+    every engine that loaded this extension, so with no override set it returns at once."""
     ov = state(runtime).override
+    if ov == _NO_OVERRIDE:
+        return settings
     changes: dict[str, Any] = {
         k: getattr(ov, k) for k in ("method", "K", "L", "centering") if getattr(ov, k) is not None
     }
