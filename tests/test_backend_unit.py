@@ -270,6 +270,20 @@ def test_mixed_decode_and_prefill(vllm_env, isa):
     assert st["decode_sparse"] == 2 and st["prefill_tokens"] == 237 and st["prefill_chunks"] == 2, st
 
 
+def test_a_mixed_step_with_nothing_to_sample_is_one_platform_call(vllm_env, isa):
+    """Short decodes beside a prefill chunk: every layer hands vLLM's kernel the whole batch, as
+    CPU_ATTN does (the same output, bit for bit), and no decode/prefill metadata is built apart;
+    the decodes are still counted, by reason, and the prefill step teaches the cost model nothing."""
+    h = harness(vllm_env, BatchSpec([300, 700, 600], [1, 1, 37]), isa=isa)
+    out, ref, meta = h.step()
+    assert meta.num_decodes == 2 and meta.num_prefills == 1 and meta.platform_serves_decodes
+    assert meta.decode is None and meta.prefill is None
+    assert torch.equal(out, ref)
+    st = h.stats()
+    assert st["decode_exact"] == {"short_context": 2} and st["prefill_chunks"] == 1, st
+    assert h.runtime.cost.exact.steps == 0
+
+
 def test_index_over_its_cap_serves_exactly_and_says_why(vllm_env):
     """index_memory_mb=1 cannot hold a 6K-token segment in this layer: the request is served
     exactly by the same kernel call (whole context dense) and counted as evicted."""

@@ -98,8 +98,10 @@ class MagicPigMetadata:
     num_decodes: int
     num_decode_tokens: int
     num_prefills: int
-    decode: Any  # decode requests only (exact decode), or None
-    prefill: Any  # prefill requests only, when mixed with decodes, or None
+    # decode requests only, and prefill requests only when mixed with decodes: for the sparse
+    # layers that serve the decodes themselves (None when the platform kernel serves them all)
+    decode: Any
+    prefill: Any
     runtime: MagicPigRuntime
     sparse_plan: DecodePlan | None = None
     # the layers whose decodes the platform kernel attends (exact_tally.py); None without decodes
@@ -149,21 +151,6 @@ class MagicPigBuilderMixin:
         if num_prefills:
             stats.prefill_chunks += num_prefills
             stats.prefill_tokens += cam.num_actual_tokens - num_decode_tokens
-        decode = prefill = None
-        if num_decodes and num_prefills:
-            d_cam, p_cam = split_attn_metadata(
-                [
-                    UBatchSlice(slice(0, num_decodes), slice(0, num_decode_tokens)),
-                    UBatchSlice(
-                        slice(num_decodes, cam.num_reqs), slice(num_decode_tokens, cam.num_actual_tokens)
-                    ),
-                ],
-                cam,
-            )
-            decode = super().build(0, d_cam, fast_build)
-            prefill = super().build(0, p_cam, fast_build)
-        elif num_decodes:
-            decode = full
         host = self.host_view(cam, cam.num_reqs)
         self.planner.observe_step(host, num_decodes)
         plan = self.planner.plan(host, num_decodes, rt.step_settings()) if num_decodes else None
@@ -175,6 +162,24 @@ class MagicPigBuilderMixin:
             reasons = [] if plan.sparse else list(plan.exact_reason.values())
             tally = ExactTally(num_decodes, reasons, plan.context_keys, plan.timed and not num_prefills)
             rt.start_exact_tally(tally)
+        # Metadata for the decode and prefill parts apart, only for layers that serve the decodes
+        # themselves: two more builds of the platform's, every step of a batch that mixes a
+        # prefill chunk with decodes (the common step under load).
+        decode = prefill = None
+        if num_decodes and num_prefills and not platform_serves:
+            d_cam, p_cam = split_attn_metadata(
+                [
+                    UBatchSlice(slice(0, num_decodes), slice(0, num_decode_tokens)),
+                    UBatchSlice(
+                        slice(num_decodes, cam.num_reqs), slice(num_decode_tokens, cam.num_actual_tokens)
+                    ),
+                ],
+                cam,
+            )
+            decode = super().build(0, d_cam, fast_build)
+            prefill = super().build(0, p_cam, fast_build)
+        elif num_decodes and not num_prefills:
+            decode = full
         return MagicPigMetadata(
             full=full,
             num_decodes=num_decodes,
