@@ -98,17 +98,19 @@ class MagicPigMetadata:
     num_decodes: int
     num_decode_tokens: int
     num_prefills: int
-    # decode requests only, and prefill requests only when mixed with decodes: for the sparse
-    # layers that serve the decodes themselves (None when the platform kernel serves them all)
-    decode: Any
+    # the prefill requests alone, in a step that mixes them with decodes some of which are sampled:
+    # the sparse layers hand this part to the platform kernel (None in any other step)
     prefill: Any
     runtime: MagicPigRuntime
     sparse_plan: DecodePlan | None = None
     # the layers whose decodes the platform kernel attends (exact_tally.py); None without decodes
     exact_tally: ExactTally | None = None
-    # no decode request is sampled this step and no observer needs the sparse layers' hooks: every
-    # layer hands the whole batch to the platform kernel, as the platform's own backend would
-    platform_serves_decodes: bool = False
+
+    @property
+    def platform_serves_decodes(self) -> bool:
+        """No decode request is sampled this step: every layer hands the whole batch to the
+        platform kernel, as the platform's own backend would."""
+        return self.sparse_plan is not None and not self.sparse_plan.sparse
 
     # vLLM reads these names on metadata objects in a few generic places.
     @property
@@ -156,41 +158,29 @@ class MagicPigBuilderMixin:
         plan = self.planner.plan(host, num_decodes, rt.step_settings()) if num_decodes else None
         if rt.cfg.log_stats_interval and stats.steps % rt.cfg.log_stats_interval == 0:
             logger.info(stats.summary_line())
-        tally, platform_serves = None, False
+        tally = None
         if plan is not None:
-            platform_serves = not plan.sparse and not rt.observers
             reasons = [] if plan.sparse else list(plan.exact_reason.values())
             tally = ExactTally(num_decodes, reasons, plan.context_keys, plan.timed and not num_prefills)
             rt.start_exact_tally(tally)
-        # Metadata for the decode and prefill parts apart, only for layers that serve the decodes
-        # themselves: two more builds of the platform's, every step of a batch that mixes a
-        # prefill chunk with decodes (the common step under load).
-        decode = prefill = None
-        if num_decodes and num_prefills and not platform_serves:
-            d_cam, p_cam = split_attn_metadata(
-                [
-                    UBatchSlice(slice(0, num_decodes), slice(0, num_decode_tokens)),
-                    UBatchSlice(
-                        slice(num_decodes, cam.num_reqs), slice(num_decode_tokens, cam.num_actual_tokens)
-                    ),
-                ],
-                cam,
+        # The prefill part's own metadata, only where sparse layers serve the decodes themselves:
+        # one more build of the platform's, every such step of a batch that mixes a prefill chunk
+        # with decodes (the common step under load).
+        prefill = None
+        if num_prefills and plan is not None and plan.sparse:
+            (p_cam,) = split_attn_metadata(
+                [UBatchSlice(slice(num_decodes, cam.num_reqs), slice(num_decode_tokens, cam.num_actual_tokens))], cam
             )
-            decode = super().build(0, d_cam, fast_build)
             prefill = super().build(0, p_cam, fast_build)
-        elif num_decodes and not num_prefills:
-            decode = full
         return MagicPigMetadata(
             full=full,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
-            decode=decode,
             prefill=prefill,
             runtime=rt,
             sparse_plan=plan,
             exact_tally=tally,
-            platform_serves_decodes=platform_serves,
         )
 
 
@@ -267,6 +257,8 @@ class MagicPigImplMixin:
             # The platform kernel attends the whole batch, as under the platform's own backend; the
             # layer adds its decodes and its time to the step's tally (exact_tally.py: per-layer
             # accounting here cost more than a cheap layer's attention).
+            if self.sparse_layer is not None and meta.runtime.observers:  # they see every sparse decode
+                self.sparse_layer.begin(kv_cache, meta.sparse_plan)
             t0 = time.perf_counter()
             super().forward(layer, query, key, value, kv_cache, meta.full, output)
             meta.exact_tally.add(self.sparse_layer is None, time.perf_counter() - t0)
@@ -282,17 +274,12 @@ class MagicPigImplMixin:
         return output
 
     def forward_decode(self, layer, query, key, value, kv_cache, meta: MagicPigMetadata, output) -> None:
-        """Decode attention for the batch's decode requests in a sparse layer (their tokens first
-        in ``query`` and ``output``; rows past them, if any, are not decode tokens)."""
+        """Decode attention for the batch's decode requests in a sparse layer of a step that samples
+        some (their tokens first in ``query`` and ``output``; rows past them, if any, are not
+        decode tokens)."""
         plan = meta.sparse_plan
         kv = self.sparse_layer.begin(kv_cache, plan)
         rt = meta.runtime
-        if not plan.sparse:
-            # Nothing to sample this step, and observers ran in begin(): the platform kernel serves it.
-            t0 = time.perf_counter()
-            super().forward(layer, query, key, value, kv_cache, meta.decode, output)
-            meta.exact_tally.add(False, time.perf_counter() - t0)
-            return
         nd = meta.num_decode_tokens
         if query.shape[0] != nd:
             query, output = query[:nd], output[:nd]

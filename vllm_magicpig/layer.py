@@ -3,7 +3,8 @@
 ``SparseLayer.begin`` binds the step's settings, reads the layer's KV views and tells the
 extensions' layer observers; then :meth:`SparseLayer.forward` runs the step's decode method
 (``decode_methods.py``) and counts what it reports. A step that samples no request never gets
-here without observers: the platform kernel serves it, counted in the step's ``ExactTally``.
+to ``forward``: the platform kernel serves it (after ``begin`` when observers are attached),
+counted in the step's ``ExactTally``.
 
 Budget mode (``budget.py``): each request has its own (K, L) in each layer, chosen from its own
 query/key angles and steered by what the kernel samples for it. The decode method runs once per

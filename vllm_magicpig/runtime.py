@@ -99,8 +99,7 @@ class MagicPigRuntime:
         return self.methods.get(name) or decode_methods.get_method(name)
 
     def start_exact_tally(self, tally: ExactTally) -> None:
-        """The new step's tally; the previous one is folded first."""
-        self.fold_exact_tally()
+        """The new step's tally (the builder folded the previous one before planning)."""
         self._exact_tally = tally
 
     def fold_exact_tally(self) -> None:
