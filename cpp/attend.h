@@ -105,16 +105,14 @@ struct Rows {
 };
 
 // The cache lines of bytes [p, p + nbytes).
-inline void prefetch_bytes(const void* p, int nbytes) {
+MP_PREFETCH void prefetch_bytes(const void* p, int nbytes) {
   const char* c = static_cast<const char*>(p);
   for (int j = 0; j < nbytes; j += 64) __builtin_prefetch(c + j);
   __builtin_prefetch(c + nbytes - 1);
 }
 // What each pass of the attention reads of row i ahead of time: its K row (with the norm of a
-// segment's key), or its V row.  (Prefetching a segment's V row with its K row, for the V pass to
-// find in L2, measured no faster: an ad hoc cold-cache run of kernel_bench's layer at 16K, one
-// thread, and 128K head_dim 128, two threads, in turn with this, 2026-12-02.)
-inline void prefetch_key(const Rows& rows, int i, int d) {
+// segment's key), or its V row.
+MP_PREFETCH void prefetch_key(const Rows& rows, int i, int d) {
   if (rows.kv8) {
     prefetch_bytes(rows.row8(i), kInt8KeyOffset + d);
     return;
@@ -122,7 +120,7 @@ inline void prefetch_key(const Rows& rows, int i, int d) {
   for (int j = 0; j < d; j += 32) __builtin_prefetch(rows.row(rows.kb, i) + j);
   if (rows.seg) __builtin_prefetch(rows.knorm + rows.idx[i]);
 }
-inline void prefetch_value(const Rows& rows, int i, int d) {
+MP_PREFETCH void prefetch_value(const Rows& rows, int i, int d) {
   if (rows.kv8) {
     prefetch_bytes(rows.row8(i) + int8_value_offset(d), d + 4);
     return;
