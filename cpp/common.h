@@ -42,9 +42,9 @@ enum DType : int { BF16 = 0, FP16 = 1, FP32 = 2 };  // FP32: queries and outputs
 // What every helper that prefetches is declared with.  GCC (12, at -O1 and up) takes a function
 // whose only effect is __builtin_prefetch for one without side effects, and deletes a call to it
 // that was not inlined first: a plain inline prefetch helper called in a row loop compiled to
-// nothing (the extension held one prefetch instruction in all, every row loop's gone).  Forced
-// inlining puts the prefetch in the caller before that analysis runs.  test_kernel_isas.py counts
-// them in the built extension.
+// nothing (from d1c1615 to e98c1e9 the extension held one prefetch instruction, every row loop's
+// gone).  Forced inlining puts the prefetch in the caller before that analysis runs;
+// tests/test_kernel_build.py looks for them in the built extension.
 #define MP_PREFETCH inline __attribute__((always_inline))
 
 // The team size of a region opened for a caller that asked for `requested` threads.
