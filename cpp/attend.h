@@ -161,9 +161,11 @@ struct Scratch {
 constexpr int kPrefetchRows = 16;
 
 // Head g's softmax weight of row i at w[i * gp + g], gp = G rounded up to 4: 0 where the head does
-// not attend the row, and for the heads past G.  The SIMD V passes run every row through all the
+// not attend the row, and for the heads past G.  The AVX-512 V passes run every row through all the
 // heads of a 4-head block, their sums in registers: no branch on the row's mask (whose head count
-// varies from row to row) and no load and store of a head's sums per row.
+// varies from row to row) and no load and store of a head's sums per row.  (The AVX2 pass, with 8
+// floats a vector, needed four walks down the rows for that at head_dim 64; it adds each row into
+// just its heads' sums in L1 instead, values_walk8, in one walk per 64 dimensions.)
 // Each sum still adds w * v over the rows in order, and a weight of 0 adds 0 * v: the same sums as
 // attend_scalar's, which skips such rows, for finite v.  A head whose entries are all taken reads
 // one past them (the next head's, or a padding entry): scores needs off[G] + 1 entries.

@@ -1,7 +1,7 @@
 // AVX2 attention, the 8-lane twin of attend_avx512 (attend_avx512.cpp) for CPUs without AVX-512
 // (AMD before Zen 4, most Intel client parts): the same three phases, correction table and
 // polynomials as attend_scalar, 8 rows per vector in the logits and softmax, 8 dims per vector in
-// the dot products, and the V accumulation in registers, 4 heads x 16 dims (values_block8).
+// the dot products, and the V accumulation in one walk down the rows per 64 dims (values_walk8).
 #if defined(__x86_64__)
 #include "simd_avx2.h"
 
@@ -72,42 +72,55 @@ MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Hea
   }
 }
 
-// The V pass for heads g0 .. g0 + 3 and dimensions j0 .. j0 + 15: the 4 x 2 sums stay in registers
-// down all the rows, each row's V vectors loaded once for the 4 heads (w: row_weights').  The first
-// block's pass prefetches the rows ahead; the other blocks find them in L1 or L2.  Each sum is w * v
-// added row by row, as attend_scalar's; a V row converts as int8_row_to_f32 does.
-template <bool Int8>
-MP_AVX2 static void values_block8(const Rows& rows, int d, int dtype, const float* w, int gp, int g0, int j0, int G,
-                                  float* acc) {
-  __m256 a[4][2];
-  for (int h = 0; h < 4; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
-  const bool prefetch = g0 == 0 && j0 == 0;
+// The V pass over dimensions j0 .. j0 + 8 * NV - 1, in one walk down the rows: a row's V vectors are
+// loaded (converted as int8_row_to_f32 does) once, and added into the sums of just the heads its mask
+// names, acc[g] in the unit's partial (L1).  Rows are mostly one head's (the heads of a unit sample
+// few keys in common), so this does a quarter of the multiply-adds of summing 4 heads in registers with
+// a weight of 0 for the others, and reads the rows once instead of once per 16 dimensions.  Each sum is
+// w * v added row by row in ascending order, as attend_scalar's: the same bits.  The first block's walk
+// prefetches the rows ahead; the others find them in L1 or L2.
+template <bool Int8, int NV>
+MP_AVX2 static void values_walk8(const Rows& rows, int d, int dtype, const float* sc, int G, int j0, float* acc) {
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + G, pos);
+  const bool prefetch = j0 == 0;
   for (int i = 0; i < rows.n; ++i) {
     if (prefetch && i + kPrefetchRows < rows.n) prefetch_value(rows, i + kPrefetchRows, d);
-    __m256 v0, v1;
+    __m256 v[NV];
     if constexpr (Int8) {
       const Int8Part p = int8_value(rows.row8(i), d);
       const __m256 s = _mm256_set1_ps(p.scale);
-      const __m128i b0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j0));
-      const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j0 + 8));
-      v0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)));
-      v1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)));
+      for (int k = 0; k < NV; ++k) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j0 + 8 * k));
+        v[k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+      }
     } else {
       const uint16_t* vr = rows.row(rows.vb, i) + j0;
-      v0 = load8(vr, dtype);
-      v1 = load8(vr + 8, dtype);
+      for (int k = 0; k < NV; ++k) v[k] = load8(vr + 8 * k, dtype);
     }
-    const float* wi = w + static_cast<size_t>(i) * gp + g0;
-    for (int h = 0; h < 4; ++h) {
-      const __m256 b = _mm256_broadcast_ss(wi + h);
-      a[h][0] = _mm256_fmadd_ps(b, v0, a[h][0]);
-      a[h][1] = _mm256_fmadd_ps(b, v1, a[h][1]);
+    for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+      const int g = __builtin_ctz(m);
+      const __m256 w = _mm256_broadcast_ss(sc + pos[g]++);
+      float* a = acc + static_cast<size_t>(g) * d + j0;
+      for (int k = 0; k < NV; ++k) _mm256_storeu_ps(a + 8 * k, _mm256_fmadd_ps(w, v[k], _mm256_loadu_ps(a + 8 * k)));
     }
   }
-  for (int h = 0; h < std::min(4, G - g0); ++h) {
-    float* o = acc + static_cast<size_t>(g0 + h) * d + j0;
-    _mm256_storeu_ps(o, a[h][0]);
-    _mm256_storeu_ps(o + 8, a[h][1]);
+}
+
+// values_walk8 over all of d, 64 dimensions a walk (the last walk 16, 32 or 48).
+template <bool Int8>
+MP_AVX2 static void values_avx2(const Rows& rows, int d, int dtype, const float* sc, int G, float* acc) {
+  std::fill(acc, acc + static_cast<size_t>(G) * d, 0.f);
+  for (int j0 = 0; j0 < d; j0 += 64) {
+    const int nv = std::min(8, (d - j0) / 8);
+    if (nv == 8)
+      values_walk8<Int8, 8>(rows, d, dtype, sc, G, j0, acc);
+    else if (nv == 6)
+      values_walk8<Int8, 6>(rows, d, dtype, sc, G, j0, acc);
+    else if (nv == 4)
+      values_walk8<Int8, 4>(rows, d, dtype, sc, G, j0, acc);
+    else
+      values_walk8<Int8, 2>(rows, d, dtype, sc, G, j0, acc);
   }
 }
 
@@ -176,15 +189,11 @@ MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& he
   }
   pt.tick(kPhaseGatherLogits);
 
-  // acc[g] = sum of w[g] * v over the rows (row_weights), heads in fours, 16 dimensions at a time.
-  const int gp = row_weights(rows, G, scratch.scores.data(), scratch.wrow);
-  for (int g0 = 0; g0 < G; g0 += 4)
-    for (int j0 = 0; j0 < d; j0 += 16) {
-      if (rows.kv8)
-        values_block8<true>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
-      else
-        values_block8<false>(rows, d, args.dtype, scratch.wrow.data(), gp, g0, j0, G, part.acc);
-    }
+  // acc[g] = sum of w[g] * v over head g's rows.
+  if (rows.kv8)
+    values_avx2<true>(rows, d, args.dtype, scratch.scores.data(), G, part.acc);
+  else
+    values_avx2<false>(rows, d, args.dtype, scratch.scores.data(), G, part.acc);
   pt.tick(kPhaseSoftmaxV);
 }
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
 # either): the AVX2 and AVX-512 q.k passes, their V passes, and retrieval's bucket walk.
 LOOPS = {
     "AVX2 q.k pass": r"mp::attend_avx2\(",
-    "AVX2 V pass": r"values_block8<false>",
+    "AVX2 V pass": r"values_walk8<false, 8>",
     "AVX-512 q.k pass": r"mp::attend_avx512\(|qk_avx512",
     "AVX-512 V pass": r"values_block<\d, false>",
     "bucket walk": r"mp::retrieve\(",
