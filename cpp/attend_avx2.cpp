@@ -7,13 +7,15 @@
 
 namespace mp {
 
-// scale * q[j] into out[0..d), one rounding per element as attend_scalar's.
+// scale * q[j] for j = 0..7 (s: the scale in every lane), one rounding per element as attend_scalar's.
+MP_AVX2 static inline __m256 int8_load8(const int8_t* q, __m256 s) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+}
+// scale * q[j] into out[0..d).
 MP_AVX2 static inline void int8_row_to_f32(Int8Part p, float* out, int d) {
   const __m256 s = _mm256_set1_ps(p.scale);
-  for (int j = 0; j < d; j += 8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j));
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
-  }
+  for (int j = 0; j < d; j += 8) _mm256_storeu_ps(out + j, int8_load8(p.q + j, s));
 }
 
 // Row pass 1: q.k for every (row, head) the mask asks for, into the head's next compact entry,
@@ -73,7 +75,7 @@ MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Hea
 }
 
 // The V pass over dimensions j0 .. j0 + 8 * NV - 1, in one walk down the rows: a row's V vectors are
-// loaded (converted as int8_row_to_f32 does) once, and added into the sums of just the heads its mask
+// loaded (int8 ones through int8_load8) once, and added into the sums of just the heads its mask
 // names, acc[g] in the unit's partial (L1).  Rows are mostly one head's (the heads of a unit sample
 // few keys in common), so this does a quarter of the multiply-adds of summing 4 heads in registers with
 // a weight of 0 for the others, and reads the rows once instead of once per 16 dimensions.  Each sum is
@@ -90,10 +92,7 @@ MP_AVX2 static void values_walk8(const Rows& rows, int d, int dtype, const float
     if constexpr (Int8) {
       const Int8Part p = int8_value(rows.row8(i), d);
       const __m256 s = _mm256_set1_ps(p.scale);
-      for (int k = 0; k < NV; ++k) {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + j0 + 8 * k));
-        v[k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-      }
+      for (int k = 0; k < NV; ++k) v[k] = int8_load8(p.q + j0 + 8 * k, s);
     } else {
       const uint16_t* vr = rows.row(rows.vb, i) + j0;
       for (int k = 0; k < NV; ++k) v[k] = load8(vr + 8 * k, dtype);
@@ -127,8 +126,8 @@ MP_AVX2 static void values_avx2(const Rows& rows, int d, int dtype, const float*
 MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                          const float* neg_log_u_table) {
   const int d = args.d, G = heads.G;
-  // Every access past an entry range below is masked; the one padding entry is row_weights'.
-  scratch.scores.resize(rows.off[G] + 1);
+  // Every access past an entry range below is masked.
+  scratch.scores.resize(rows.off[G]);
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
   PhaseTimer pt;

@@ -4,8 +4,8 @@ The kernel's row loops prefetch the sampled K/V rows, the keys' norms and the bu
 ahead of use.  From d1c1615 (2026-12-01, which moved them into helpers) to e98c1e9 GCC 12 deleted
 all but one of them, with no sign in any output: a plain inline helper whose only effect is
 __builtin_prefetch counts as free of side effects, and a call to it that is not inlined first is
-dropped (cpp/common.h, MP_PREFETCH).  The outputs are
-bit for bit the same either way, so only the machine code shows it; this test reads it.
+dropped (cpp/common.h, MP_PREFETCH).  The outputs are bit for bit the same either way, so only
+the machine code shows it; this test reads it.
 """
 from __future__ import annotations
 
