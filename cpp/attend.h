@@ -149,7 +149,7 @@ struct Scratch {
   std::vector<uint64_t> sampled;  // [G][words]: the tokens each head samples
   std::vector<uint16_t> list, rmask, ktile, vtile;
   std::vector<float> qf;                 // [G][d] the unit's queries in fp32
-  std::vector<Segment::Bucket> buckets;  // [L][G] ranges of one unit
+  std::vector<Segment::Bucket> buckets;  // [G][L_read] bucket ranges of one unit, in walk order
   std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
   std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)
   std::vector<float> wrow;               // [n][G rounded up to 4] softmax weights by row (row_weights)

@@ -18,31 +18,54 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   const int G = unit.G, L = args.L, L_read = args.L_read, words = (seg.n + 63) / 64;
   const int32_t* qc = args.qcodes + (static_cast<size_t>(unit.r) * args.H + unit.h0) * L;
   auto code = [&](int g, int l) { return static_cast<uint32_t>(qc[static_cast<size_t>(g) * L + l]); };
-  // The index is far larger than the caches, so each (table, head) bucket costs two DRAM misses
-  // (directory, then ids).  Resolve all bucket ranges first with prefetches in flight, so the
-  // misses overlap instead of serialising inside the walk.
-  scratch.buckets.resize(static_cast<size_t>(L_read) * G);
-  for (int l = 0; l < L_read; ++l)
-    for (int g = 0; g < G; ++g) seg.prefetch_bucket(unit.kvh * L + l, code(g, l));
-  for (int l = 0; l < L_read; ++l) {
-    const int t = unit.kvh * L + l;
-    for (int g = 0; g < G; ++g) {
-      const Segment::Bucket b = seg.bucket(t, code(g, l));
-      scratch.buckets[l * G + g] = b;
-      // Every line the bucket's ids touch (a bucket rarely starts on a line boundary).
-      const uintptr_t first = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.begin) & ~uintptr_t{63};
-      const uintptr_t end = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.end);
-      for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
+  // The index is far larger than the caches, so each (table, head) bucket costs two dependent DRAM
+  // misses: its directory entry, then its ids.  The (head, table) pairs are walked as a pipeline in
+  // walk order (g, l): the pair kDirAhead ahead has its directory entry prefetched, the pair kIdsAhead
+  // ahead is resolved (its entry has had kDirAhead - kIdsAhead walks to arrive) and its id lines
+  // prefetched, and the current pair is walked, so misses stay in flight all through the walk.
+  // Prefetching all L_read * G entries up front, then resolving them all, then walking, was ~15%
+  // slower at 128K tokens (benchmarks/results/kernel_bench_lookup_pipeline_avx2.md); more than a
+  // core's few dozen outstanding misses cannot be in flight at once anyway.
+  constexpr int kDirAhead = 16, kIdsAhead = 8;
+  const int P = L_read * G;
+  scratch.buckets.resize(P);
+  // A position in walk order (head g, table l), stepped without divisions.
+  struct Pair {
+    int g = 0, l = 0, s = 0;
+    void next(int L_read) {
+      ++s;
+      if (++l == L_read) l = 0, ++g;
     }
-  }
+  };
+  auto table = [&](const Pair& p) { return unit.kvh * L + p.l; };
+  auto resolve = [&](const Pair& p) {
+    const int t = table(p);
+    const Segment::Bucket b = seg.bucket(t, code(p.g, p.l));
+    scratch.buckets[p.s] = b;
+    // Every line the bucket's ids touch (a bucket rarely starts on a line boundary).
+    const uintptr_t first = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.begin) & ~uintptr_t{63};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.end);
+    for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
+  };
+  Pair dir, res;  // the next pair to prefetch the directory entry of, and to resolve
+  for (; dir.s < std::min(P, kDirAhead); dir.next(L_read)) seg.prefetch_bucket(table(dir), code(dir.g, dir.l));
+  for (; res.s < std::min(P, kIdsAhead); res.next(L_read)) resolve(res);
   scratch.hits.resize(static_cast<size_t>(words) * 2);
   scratch.sampled.resize(static_cast<size_t>(words) * G);
   uint64_t* hits = scratch.hits.data();
   for (int g = 0; g < G; ++g) {
     std::memset(hits, 0, static_cast<size_t>(words) * 2 * sizeof(uint64_t));
     for (int l = 0; l < L_read; ++l) {
+      if (dir.s < P) {
+        seg.prefetch_bucket(table(dir), code(dir.g, dir.l));
+        dir.next(L_read);
+      }
+      if (res.s < P) {
+        resolve(res);
+        res.next(L_read);
+      }
+      const Segment::Bucket b = scratch.buckets[g * L_read + l];
       const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
-      const Segment::Bucket b = scratch.buckets[l * G + g];
       for (int i = b.begin; i < b.end; ++i) {
         const uint32_t id = ids[i];
         uint64_t* w = hits + 2 * (id >> 6);
