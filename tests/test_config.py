@@ -243,6 +243,19 @@ def test_set_decode_method(rt):
     assert make_runtime(MagicPigConfig(decode_method="exact")).step_settings().method == "exact"
 
 
+def test_eval_settings_hook_attached_only_while_an_override_is_set(rt):
+    """Evaluation code stays out of production steps: the override's settings hook is attached to
+    the runtime when an override is set and taken off when it is cleared."""
+    assert rt.settings_hooks == [] and rt.step_settings().K == rt.cfg.K
+    eval_settings.set_eval(rt, K=8)
+    assert rt.settings_hooks == [eval_settings.apply_override] and rt.step_settings().K == 8
+    eval_settings.set_eval(rt, K=9, measure_error=True)  # a second override replaces the first, once
+    assert rt.settings_hooks == [eval_settings.apply_override] and rt.step_settings().K == 9
+    eval_settings.set_eval(rt)
+    assert rt.settings_hooks == [] and rt.step_settings().K == rt.cfg.K
+    assert make_runtime().settings_hooks == []  # another runtime never saw this one's hook
+
+
 @pytest.mark.parametrize("bad", ["bogus", "MAGICPIG", "", "dense"])
 def test_set_decode_method_rejects_unknown(rt, bad):
     eval_settings.set_decode_method(rt, "exact")

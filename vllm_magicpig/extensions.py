@@ -7,9 +7,9 @@ point is a function called once per process, which registers what it adds:
 * decode methods and centrings (:mod:`vllm_magicpig.decode_methods`);
 * config keys of ``additional_config["magicpig"]`` (:func:`register_config_key`), validated
   at start-up like ours and carried in ``MagicPigConfig.extra``;
-* a step-settings hook (:func:`register_settings_hook`): may change the step's settings;
-* layer observers, attached to one runtime while they are needed
-  (``MagicPigRuntime.observers``), so production decode pays nothing for them otherwise;
+* step-settings hooks and layer observers, attached to one runtime while they are needed
+  (``MagicPigRuntime.settings_hooks``, ``MagicPigRuntime.observers``), so production decode pays
+  nothing for them otherwise;
 * worker RPC methods for ``LLM.collective_rpc`` (:func:`register_worker_rpc`);
 * per-runtime state and counters (:func:`register_runtime_init`).
 
@@ -43,7 +43,6 @@ class ConfigKey:
 
 
 CONFIG_KEYS: dict[str, ConfigKey] = {}
-SETTINGS_HOOKS: list[Callable] = []  # (runtime, StepSettings) -> StepSettings
 WORKER_RPCS: dict[str, Callable] = {}  # name -> fn(runtime, *args, **kwargs)
 RUNTIME_INITS: list[Callable] = []  # fn(runtime): set up the extension's per-runtime state
 
@@ -63,11 +62,6 @@ def load() -> None:
 
 def register_config_key(key: ConfigKey) -> None:
     CONFIG_KEYS[key.name] = key
-
-
-def register_settings_hook(hook: Callable) -> None:
-    if hook not in SETTINGS_HOOKS:
-        SETTINGS_HOOKS.append(hook)
 
 
 def register_worker_rpc(name: str, fn: Callable) -> None:

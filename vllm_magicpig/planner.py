@@ -34,7 +34,7 @@ SMALL_STEP = 64  # tokens in a step up to which its written blocks are found in 
 @dataclass(frozen=True)
 class StepSettings:
     """What one engine step's decode uses: the config, unless an extension overrides it
-    (see ``extensions.register_settings_hook``)."""
+    (a settings hook attached to the runtime: ``MagicPigRuntime.settings_hooks``)."""
 
     method: str
     K: int

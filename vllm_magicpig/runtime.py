@@ -8,7 +8,7 @@ with :func:`current`. Tests create a fresh one per case.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -73,6 +73,10 @@ class MagicPigRuntime:
         # (also when the platform kernel serves it), ``after_decode(ctx, query, kv, plan, out,
         # result)`` after a decode through a registered method. Empty unless an extension needs them.
         self.observers: list[Any] = []
+        # Step-settings hooks ``hook(runtime, settings) -> settings``, applied in order by
+        # step_settings. Empty unless an extension attaches one while it changes the settings (the
+        # evaluation harness's override), so a production step pays nothing for them.
+        self.settings_hooks: list[Callable] = []
         # A new prompt's index built on a background thread (its first decodes served exactly)
         self.indexer = BackgroundIndexer(
             self.index, self.ops, self.stats, self.cap_bytes, build_segment_from_cache, self.projection,
@@ -108,9 +112,9 @@ class MagicPigRuntime:
             self._exact_tally.fold(self.stats, self.cost)
 
     def step_settings(self) -> StepSettings:
-        """The config's settings, after the extensions' settings hooks."""
+        """The config's settings, after the settings hooks attached to this runtime."""
         settings = self._config_settings
-        for hook in extensions.SETTINGS_HOOKS:
+        for hook in self.settings_hooks:
             settings = hook(self, settings)
         return settings
 

@@ -102,7 +102,6 @@ def install() -> None:
     extensions.register_config_key(extensions.ConfigKey(
         "quest_page_size", 16, settings.parse_quest_page_size, "evaluation only: page size of the 'quest' baseline"))
     extensions.register_runtime_init(settings.init_runtime)
-    extensions.register_settings_hook(settings.apply_override)
     extensions.register_worker_rpc("magicpig_set_eval", _set_eval)
     extensions.register_worker_rpc("magicpig_set_decode_method", _set_decode_method)
     extensions.register_worker_rpc("magicpig_calibration", _calibration)

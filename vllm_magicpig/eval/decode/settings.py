@@ -145,6 +145,7 @@ def set_eval(runtime, **kw) -> dict:
     changes_index = any(getattr(old, k) != getattr(new, k) for k in ("K", "L", "centering"))
     ev.override = new
     _attach_observers(runtime, new)
+    _attach_settings_hook(runtime, new)
     # Budget mode's choices were made under the old largest L: forget them when it changes.
     max_L = new.max_L if new.max_L is not None else runtime.cfg.max_L
     if runtime.budget.max_L != max_L:
@@ -169,6 +170,13 @@ def _attach_observers(runtime, override: EvalOverride) -> None:
         runtime.observers.append(ErrorObserver())
 
 
+def _attach_settings_hook(runtime, override: EvalOverride) -> None:
+    """apply_override runs in every step of the runtime it is attached to: only while an override is set."""
+    runtime.settings_hooks[:] = [h for h in runtime.settings_hooks if h is not apply_override]
+    if override != _NO_OVERRIDE:
+        runtime.settings_hooks.append(apply_override)
+
+
 def set_decode_method(runtime, method: str | None) -> dict:
     return set_eval(runtime, **({} if method is None else {"method": method}))
 
@@ -177,11 +185,9 @@ _NO_OVERRIDE = EvalOverride()
 
 
 def apply_override(runtime, settings):
-    """The settings hook: the step's settings with the override applied. It runs every step of
-    every engine that loaded this extension, so with no override set it returns at once."""
+    """The settings hook, attached to a runtime while its override is set (_attach_settings_hook):
+    the step's settings with the override applied."""
     ov = state(runtime).override
-    if ov == _NO_OVERRIDE:
-        return settings
     changes: dict[str, Any] = {
         k: getattr(ov, k) for k in ("method", "K", "L", "centering") if getattr(ov, k) is not None
     }
