@@ -23,9 +23,9 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
   // walk order (g, l): the pair kDirAhead ahead has its directory entry prefetched, the pair kIdsAhead
   // ahead is resolved (its entry has had kDirAhead - kIdsAhead walks to arrive) and its id lines
   // prefetched, and the current pair is walked, so misses stay in flight all through the walk.
-  // Prefetching all L_read * G entries up front, then resolving them all, then walking, was ~15%
-  // slower at 128K tokens (benchmarks/results/kernel_bench_lookup_pipeline_avx2.md); more than a
-  // core's few dozen outstanding misses cannot be in flight at once anyway.
+  // Prefetching all L_read * G entries up front, then resolving them all, then walking, made the
+  // lookup 13% slower at 128K tokens and 19% at 8K, the same at 32K (benchmarks/kernel_ab.py;
+  // results/kernel_bench_lookup_pipeline_avx2.md): a core keeps only a few dozen misses in flight.
   constexpr int kDirAhead = 16, kIdsAhead = 8;
   const int P = L_read * G;
   scratch.buckets.resize(P);
