@@ -5,10 +5,11 @@
 Each TREE is a checkout with its extension built (``python setup.py build_ext --inplace``).  Builds are
 compared in separate processes, one per tree: CPython caches an extension module by its name, so a
 second build of ``vllm_magicpig._C`` loaded into the same process would silently be the first one.
-Each process builds kernel_bench's layer (same seed, so the same keys, codes and samples in every
-tree) and its cold copies once, then runs one round per request of the driver; the trees take turns
-round by round (the order reversed every other round), so a drift of the machine's speed, which on
-these shared machines moves timings by 2x within the hour, falls on all of them alike.
+Each process builds kernel_bench's layer (``kernel_bench.make_layer``; same seed, so the same keys,
+codes and samples in every tree) and its cold copies once, then runs one round per request of the
+driver; the trees take turns round by round (the order reversed every other round), so a drift of the
+machine's speed, which on these shared machines moves timings by 2x within the hour, falls on all of
+them alike.
 
 Printed per size: the median over rounds of each tree's cold call (ms, the median of 60 calls of the
 layer copies in turn, as kernel_bench's cold time) and of its phases (thread-ms per call, from the
@@ -31,12 +32,6 @@ PHASES = ("lookup", "gather_logits", "softmax_v")
 CALLS = 60  # calls per size per round
 
 
-def build_layer(kx, keys, vals, centre, W, K, L, seg_max):
-    """One copy of the layer's index: segments of at most seg_max tokens, as kernel_bench builds them."""
-    return [kx.build_segment(keys[p:p + seg_max], vals[p:p + seg_max], centre, W, K, L)
-            for p in range(0, keys.shape[0], seg_max)]
-
-
 def serve(tree: str, configs: list[tuple[int, int, int, int]], K: int, L: int) -> None:
     """One tree's process: build the layers, then one round per stdin line, one JSON line out."""
     sys.path.insert(0, str(HERE))
@@ -54,34 +49,16 @@ def serve(tree: str, configs: list[tuple[int, int, int, int]], K: int, L: int) -
         raise SystemExit("kernel_ab needs vLLM (the dense tokens are read from its paged cache)")
     setups = []
     for D, hkv, G, n in configs:
-        gen = torch.Generator().manual_seed(1234 + n + D)
-        H, scale = hkv * G, D**-0.5
-        keys, vals, off = kb.make_context(n, hkv, D, gen)
-        q = (torch.randn(1, H, D, generator=gen) - 0.3 * off.repeat_interleave(G, 0).unsqueeze(0) / D**0.25)
-        q, keys, vals = q.bfloat16(), keys.bfloat16(), vals.bfloat16()
-        lo, hi = kb.SINKS, n - kb.WINDOW - kb.TAIL
-        centre = keys[lo:hi].float().mean(0)
-        W = torch.randn(D, K * L, generator=gen)
-        nb = -(-n // kb.BLOCK)
-        kv_cache = torch.zeros(nb, hkv, 2 * kb.BLOCK, D, dtype=torch.bfloat16)
-        bt = torch.randperm(nb, generator=gen).to(torch.int32).view(1, nb)
-        slots = bt[0].long().repeat_interleave(kb.BLOCK)[:n] * kb.BLOCK + torch.arange(n) % kb.BLOCK
-        kc, vc = kv_cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(keys, vals, kc, vc, slots, "vec")
-        views = kb.CPU_LAYOUTS["vec"]().views(kv_cache.view(nb, hkv, kb.BLOCK, 2 * D))
-        qcodes = kx.hash_codes(q[0], W, K, L).view(1, H, L)
-        qdc = (q[0].float() * centre[torch.arange(H) // G]).sum(-1).view(1, H)
-        ranges = torch.tensor([[[0, kb.SINKS], [hi, n]]], dtype=torch.int32)
-
-        layer = (keys[lo:hi], vals[lo:hi], centre, W, K, L)
-        first = build_layer(kx, *layer, seg_max=kb.SEG_MAX)
+        lay = kb.make_layer(D, hkv, G, n, K, L, ops, torch.Generator().manual_seed(1234 + n + D))
+        first = lay.build()
         copies = 2 * kb.cold_layers(sum(s.index_bytes + s.mirror_bytes for s in first))
-        layers = [first] + [build_layer(kx, *layer, seg_max=kb.SEG_MAX) for _ in range(copies - 1)]
-        out = torch.empty(1, H, D, dtype=torch.bfloat16)
-        args = dict(block_table=bt, dense_ranges=ranges, scale=scale, K=K, L=L, out=out, check_values=False)
+        layers = [first] + [lay.build() for _ in range(copies - 1)]
+        out = torch.empty(1, lay.H, D, dtype=torch.bfloat16)
+        args = dict(block_table=lay.bt, dense_ranges=lay.ranges, scale=lay.scale, K=K, L=L, out=out,
+                    check_values=False)
 
-        def call(segs, q=q, qcodes=qcodes, qdc=qdc, views=views, args=args):
-            kx.sparse_decode_attention(q, qcodes, qdc, [segs], views.key, views.value, **args)
+        def call(segs, lay=lay, args=args):
+            kx.sparse_decode_attention(lay.q, lay.qcodes, lay.qdc, [segs], lay.kview, lay.vview, **args)
 
         for layer in layers:
             call(layer)

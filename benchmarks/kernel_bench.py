@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -155,7 +156,11 @@ def make_context(n, hkv, D, gen):
     return keys, vals, off
 
 
-def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen, isa="vec"):
+def make_layer(D, hkv, G, n, K, L, ops, gen, isa="vec"):
+    """One layer's decode inputs: the context (make_context, plus two heavy keys per query head), the
+    query, the centre and projection, vLLM's paged cache of the context in the layout of ``isa``, the
+    query's codes and the dense ranges; ``build(mirror)`` builds one copy of its segments.  Also the
+    layer of benchmarks/kernel_ab.py."""
     H = hkv * G
     scale = D ** -0.5
     keys, vals, off = make_context(n, hkv, D, gen)
@@ -181,11 +186,6 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen, isa="vec"):
             p = e
         return out
 
-    t0 = time.perf_counter()
-    segs = build()
-    build_s = time.perf_counter() - t0
-    index_b = sum(s.index_bytes for s in segs)
-
     # vLLM CPU paged cache, [blocks, Hkv, 2*BLOCK, D] in the layout of `isa` ("vec": K column-major,
     # V row-major; "amx": both in bf16-pair tiles), read through the backend's own views.
     nb = -(-n // BLOCK)
@@ -204,6 +204,23 @@ def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen, isa="vec"):
     qcodes = kx.hash_codes(q[0], W, K, L).view(1, H, L)
     qdc = (q[0].float() * centre[kvh]).sum(-1).view(1, H)
     ranges = torch.tensor([[[0, SINKS], [cov_hi, n]]], dtype=torch.int32)
+    return SimpleNamespace(H=H, scale=scale, keys=keys, vals=vals, q=q, centre=centre, W=W, cov_lo=cov_lo,
+                           cov_hi=cov_hi, build=build, kv_cache=kv_cache, kcache=kcache, vcache=vcache, bt=bt,
+                           kview=kview, vview=vview, qcodes=qcodes, qdc=qdc, ranges=ranges)
+
+
+def run_config(D, hkv, G, n, K, L, ops, bw, reps, with_ref, gen, isa="vec"):
+    lay = make_layer(D, hkv, G, n, K, L, ops, gen, isa)
+    H, scale, keys, vals, q, centre, W = lay.H, lay.scale, lay.keys, lay.vals, lay.q, lay.centre, lay.W
+    cov_lo, cov_hi, build, bt = lay.cov_lo, lay.cov_hi, lay.build, lay.bt
+    kv_cache, kcache, vcache, kview, vview = lay.kv_cache, lay.kcache, lay.vcache, lay.kview, lay.vview
+    qcodes, qdc, ranges = lay.qcodes, lay.qdc, lay.ranges
+
+    t0 = time.perf_counter()
+    segs = build()
+    build_s = time.perf_counter() - t0
+    index_b = sum(s.index_bytes for s in segs)
+
     out = torch.empty(1, H, D, dtype=torch.bfloat16)
     lse = torch.empty(1, H)
     cnt = torch.zeros(1, H, dtype=torch.int64)

@@ -37,33 +37,33 @@ void retrieve(const AttnArgs& args, const Unit& unit, Scratch& scratch, int* cou
       if (++l == L_read) l = 0, ++g;
     }
   };
-  auto table = [&](const Pair& p) { return unit.kvh * L + p.l; };
-  auto resolve = [&](const Pair& p) {
-    const int t = table(p);
-    const Segment::Bucket b = seg.bucket(t, code(p.g, p.l));
-    scratch.buckets[p.s] = b;
+  Pair dir, res;  // the next pair to prefetch the directory entry of, and to resolve
+  auto prefetch_next_entry = [&] {
+    if (dir.s == P) return;
+    seg.prefetch_bucket(unit.kvh * L + dir.l, code(dir.g, dir.l));
+    dir.next(L_read);
+  };
+  auto resolve_next = [&] {
+    if (res.s == P) return;
+    const int t = unit.kvh * L + res.l;
+    const Segment::Bucket b = seg.bucket(t, code(res.g, res.l));
+    scratch.buckets[res.s] = b;
     // Every line the bucket's ids touch (a bucket rarely starts on a line boundary).
     const uintptr_t first = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.begin) & ~uintptr_t{63};
     const uintptr_t end = reinterpret_cast<uintptr_t>(seg.table_ids(t) + b.end);
     for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
+    res.next(L_read);
   };
-  Pair dir, res;  // the next pair to prefetch the directory entry of, and to resolve
-  for (; dir.s < std::min(P, kDirAhead); dir.next(L_read)) seg.prefetch_bucket(table(dir), code(dir.g, dir.l));
-  for (; res.s < std::min(P, kIdsAhead); res.next(L_read)) resolve(res);
+  for (int i = 0; i < kDirAhead; ++i) prefetch_next_entry();
+  for (int i = 0; i < kIdsAhead; ++i) resolve_next();
   scratch.hits.resize(static_cast<size_t>(words) * 2);
   scratch.sampled.resize(static_cast<size_t>(words) * G);
   uint64_t* hits = scratch.hits.data();
   for (int g = 0; g < G; ++g) {
     std::memset(hits, 0, static_cast<size_t>(words) * 2 * sizeof(uint64_t));
     for (int l = 0; l < L_read; ++l) {
-      if (dir.s < P) {
-        seg.prefetch_bucket(table(dir), code(dir.g, dir.l));
-        dir.next(L_read);
-      }
-      if (res.s < P) {
-        resolve(res);
-        res.next(L_read);
-      }
+      prefetch_next_entry();
+      resolve_next();
       const Segment::Bucket b = scratch.buckets[g * L_read + l];
       const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
       for (int i = b.begin; i < b.end; ++i) {
