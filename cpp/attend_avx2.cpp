@@ -19,7 +19,10 @@ MP_AVX2 static inline void int8_row_to_f32(Int8Part p, float* out, int d) {
 }
 
 // Row pass 1: q.k for every (row, head) the mask asks for, into the head's next compact entry,
-// and for segments the row's |k - c| beside it.
+// and for segments the row's |k - c| beside it.  A bf16 / fp16 row is dotted straight from its 16-bit
+// values (dot8_row), converted as it is read: nearly every sampled row is one head's (the heads of a
+// unit sample few keys in common), so converting it to an fp32 row first stored and loaded again d
+// floats for the one dot product that reads them.
 MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch) {
   const int d = args.d, n = rows.n;
   float* kf = scratch.row_f32.data();
@@ -27,19 +30,24 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
   float* nm = scratch.norms.data();
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
+  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_key(rows, i, d);
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
+    const float kn = rows.seg ? rows.norm(i) : 0.f;
     if (rows.kv8) {
       int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
+      for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+        const int g = __builtin_ctz(m), p = pos[g]++;
+        sc[p] = dot8_f32(heads.q[g], kf, d);
+        nm[p] = kn;
+      }
     } else {
       const uint16_t* kr = rows.row(rows.kb, i);
-      for (int j = 0; j < d; j += 8) _mm256_storeu_ps(kf + j, load8(kr + j, args.dtype));
-    }
-    const float kn = rows.seg ? rows.norm(i) : 0.f;
-    for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
-      const int g = __builtin_ctz(m), p = pos[g]++;
-      sc[p] = dot8_f32(heads.q[g], kf, d);
-      nm[p] = kn;
+      for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+        const int g = __builtin_ctz(m), p = pos[g]++;
+        sc[p] = dot8_row(heads.q[g], kr, d, args.dtype);
+        nm[p] = kn;
+      }
     }
   }
 }

@@ -73,5 +73,16 @@ MP_AVX2 inline float dot8_f32(const float* q, const float* k, int d) {
   return hsum8(_mm256_add_ps(a0, a1));
 }
 
+// dot8_f32 of q with a bf16 / fp16 row, each 8 values converted as they are loaded: the same sums,
+// in the same order, as dot8_f32 of the row converted to fp32 first.
+MP_AVX2 inline float dot8_row(const float* q, const uint16_t* k, int d, int dtype) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int j = 0; j < d; j += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j, dtype), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), load8(k + j + 8, dtype), a1);
+  }
+  return hsum8(_mm256_add_ps(a0, a1));
+}
+
 }  // namespace mp
 #endif
