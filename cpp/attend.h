@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -36,7 +35,8 @@ constexpr int kExpTerms = 7;
 constexpr float kExpCoef[kExpTerms] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
 constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.69314718055994531f;
 // Weights e^x below e^-87 (under FLT_MIN) are flushed to exactly 0 by both paths, so both leave the
-// same rows out of the V sums (attend_scalar skips them; the SIMD V passes add 0 * v, see row_weights).
+// same rows out of the V sums (attend_scalar skips them; the SIMD V passes add 0 * v, see row_weights
+// in simd_math.h).
 constexpr float kExpFloor = -87.f;
 // A centred key at the centre (or q = 0) has no direction: below this |q||k - c| the key is
 // treated as orthogonal (cos = 0).
@@ -152,60 +152,13 @@ struct Scratch {
   std::vector<Segment::Bucket> buckets;  // [G][L_read] bucket ranges of one unit, in walk order
   std::vector<float> scores;             // compact entries: q.k, then logits, then softmax weights
   std::vector<float> norms;              // compact entries: |k - c| of the entry's row (segments)
-  std::vector<float> wrow;               // [n][G rounded up to 4] softmax weights by row (row_weights)
+  std::vector<float> wrow;               // [n][G rounded up to 4] softmax weights by row (AVX-512's row_weights)
   std::vector<float> row_f32;            // one K or V row converted to fp32
   std::vector<int64_t> elem_off;         // [2][d] a tiled cache's offsets of K's, V's elements j
 };
 
 // Rows ahead of the current one whose lines are prefetched in the row loops.
 constexpr int kPrefetchRows = 16;
-
-// Head g's softmax weight of row i at w[i * gp + g], gp = G rounded up to 4: 0 where the head does
-// not attend the row, and for the heads past G.  The AVX-512 V passes run every row through all the
-// heads of a 4-head block, their sums in registers: no branch on the row's mask (whose head count
-// varies from row to row) and no load and store of a head's sums per row.  (The AVX2 pass, with 8
-// floats a vector, needed four walks down the rows for that at head_dim 64; it adds each row into
-// just its heads' sums in L1 instead, values_walk8, in one walk per 64 dimensions.)
-// Each sum still adds w * v over the rows in order, and a weight of 0 adds 0 * v: the same sums as
-// attend_scalar's, which skips such rows, for finite v.  A head whose entries are all taken reads
-// one past them (the next head's, or a padding entry): scores needs off[G] + 1 entries.
-inline int row_weights(const Rows& rows, int G, const float* sc, std::vector<float>& w) {
-  const int gp = (G + 3) & ~3, n = rows.n;
-  w.resize(static_cast<size_t>(n) * gp);
-  int pos[MAXG];
-  std::copy(rows.off, rows.off + G, pos);
-  for (int i = 0; i < n; ++i) {
-    const uint32_t m = rows.mask[i];
-    float* wi = w.data() + static_cast<size_t>(i) * gp;
-    for (int g = 0; g < G; ++g) {
-      const int bit = static_cast<int>((m >> g) & 1u);
-      const float x = sc[pos[g]];
-      wi[g] = bit ? x : 0.f;
-      pos[g] += bit;
-    }
-    for (int g = G; g < gp; ++g) wi[g] = 0.f;
-  }
-  return gp;
-}
-
-// The SIMD V passes' blocks: heads in fours (g0), dimensions in 64s (j0), and a block's width in
-// 16-float vectors (1..4, the last block of a head_dim not a multiple of 64 is narrower) as a
-// compile-time constant: f(g0, j0, std::integral_constant<int, NV>{}), so its sums stay in registers.
-template <class F>
-inline void for_each_value_block(int d, int G, F&& f) {
-  for (int g0 = 0; g0 < G; g0 += 4)
-    for (int j0 = 0; j0 < d; j0 += 64) {
-      const int nv = std::min(4, (d - j0) / 16);
-      if (nv == 4)
-        f(g0, j0, std::integral_constant<int, 4>{});
-      else if (nv == 3)
-        f(g0, j0, std::integral_constant<int, 3>{});
-      else if (nv == 2)
-        f(g0, j0, std::integral_constant<int, 2>{});
-      else
-        f(g0, j0, std::integral_constant<int, 1>{});
-    }
-}
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())

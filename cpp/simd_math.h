@@ -1,9 +1,13 @@
-// AVX-512 helpers for attend_avx512.cpp: 16-bit row loads, e^x, acos and dot products.  Every
+// AVX-512 helpers for attend_avx512.cpp and dense_amx_avx512.cpp: 16-bit row loads, e^x, acos, dot
+// products, and the V passes' weights by row and blocks of heads and dimensions.  Every intrinsic
 // function carries a target attribute, so this compiles on baseline x86-64 and runs only where
 // resolve_isa() picked an AVX-512 path.
 #pragma once
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include <type_traits>
+#include <vector>
 
 #include "attend.h"
 
@@ -41,6 +45,53 @@ MP_AVX512 inline __m512 acos_ps(__m512 x) {
       _mm512_mul_ps(_mm512_sqrt_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), ax), _mm512_setzero_ps())), p);
   const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
   return _mm512_mask_sub_ps(r, neg, _mm512_set1_ps(static_cast<float>(PI)), r);
+}
+
+// Head g's softmax weight of row i at w[i * gp + g], gp = G rounded up to 4: 0 where the head does
+// not attend the row, and for the heads past G.  The AVX-512 V passes run every row through all the
+// heads of a 4-head block, their sums in registers: no branch on the row's mask (whose head count
+// varies from row to row) and no load and store of a head's sums per row.  (The AVX2 pass, with 8
+// floats a vector, needed four walks down the rows for that at head_dim 64; it adds each row into
+// just its heads' sums in L1 instead, values_walk8, in one walk per 64 dimensions.)
+// Each sum still adds w * v over the rows in order, and a weight of 0 adds 0 * v: the same sums as
+// attend_scalar's, which skips such rows, for finite v.  A head whose entries are all taken reads
+// one past them (the next head's, or a padding entry): scores needs off[G] + 1 entries.
+inline int row_weights(const Rows& rows, int G, const float* sc, std::vector<float>& w) {
+  const int gp = (G + 3) & ~3, n = rows.n;
+  w.resize(static_cast<size_t>(n) * gp);
+  int pos[MAXG];
+  std::copy(rows.off, rows.off + G, pos);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t m = rows.mask[i];
+    float* wi = w.data() + static_cast<size_t>(i) * gp;
+    for (int g = 0; g < G; ++g) {
+      const int bit = static_cast<int>((m >> g) & 1u);
+      const float x = sc[pos[g]];
+      wi[g] = bit ? x : 0.f;
+      pos[g] += bit;
+    }
+    for (int g = G; g < gp; ++g) wi[g] = 0.f;
+  }
+  return gp;
+}
+
+// The SIMD V passes' blocks: heads in fours (g0), dimensions in 64s (j0), and a block's width in
+// 16-float vectors (1..4, the last block of a head_dim not a multiple of 64 is narrower) as a
+// compile-time constant: f(g0, j0, std::integral_constant<int, NV>{}), so its sums stay in registers.
+template <class F>
+inline void for_each_value_block(int d, int G, F&& f) {
+  for (int g0 = 0; g0 < G; g0 += 4)
+    for (int j0 = 0; j0 < d; j0 += 64) {
+      const int nv = std::min(4, (d - j0) / 16);
+      if (nv == 4)
+        f(g0, j0, std::integral_constant<int, 4>{});
+      else if (nv == 3)
+        f(g0, j0, std::integral_constant<int, 3>{});
+      else if (nv == 2)
+        f(g0, j0, std::integral_constant<int, 2>{});
+      else
+        f(g0, j0, std::integral_constant<int, 1>{});
+    }
 }
 
 MP_AVX512 inline float dot_f32(const float* q, const float* k, int d) {
