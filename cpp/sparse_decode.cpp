@@ -181,7 +181,7 @@ int64_t sparse_decode(const AttnArgs& in) {
     PhaseTimer pt;
     if (unit.seg) {
       int counts[MAXG];
-      retrieve(args, unit, scratch, counts);
+      retrieve(args, unit, isa, scratch, counts);
       rows.off[0] = 0;
       for (int g = 0; g < unit.G; ++g) {
         part_count[slot + g] = counts[g];

@@ -382,6 +382,17 @@ def test_retrieval_bitset_word_boundaries(force_scalar):
 
 
 @pytest.mark.parametrize("force_scalar", PATHS)
+def test_collision_counts_past_255_tables(force_scalar):
+    """Retrieval counts a key's collisions in a byte that saturates instead of wrapping: with K = 1
+    and L = 600 most keys collide in more than 255 tables (a wrapping byte would read 256 and 257 as
+    0 and 1, and drop such keys), and every one of them must still be sampled, as the reference
+    says."""
+    seed, gen = new_seed()
+    c = Case(gen, [420], 2, 3, 64, 1, 600, seg_sizes=[[130, 270]], window=16)
+    check_case(c, seed, force_scalar, "K=1 L=600")
+
+
+@pytest.mark.parametrize("force_scalar", PATHS)
 def test_long_segment_and_late_maximum(force_scalar):
     """A 5000-token segment with dense sampling (K=3) and sparse sampling (K=9), and a key planted
     near its end far above the rest (the softmax maximum comes from the segment's last rows)."""
