@@ -372,7 +372,8 @@ def test_one_call_decode_rejects_bad_centres():
 
 @pytest.mark.parametrize("force_scalar", PATHS)
 def test_retrieval_bitset_word_boundaries(force_scalar):
-    """Retrieval counts collisions in 64-token bitset words: segments of 1, 63, 64, 65, 127 and 130
+    """Retrieval scans its per-token collision counts into 64-token bitset words (32 tokens a vector on
+    the SIMD path): segments of 1, 63, 64, 65, 127 and 130
     tokens (a partial word, exact words, one past) in one request, with K small enough that most
     keys are sampled (so every word edge is hit) and with K = 6, against the reference."""
     seed, gen = new_seed()
