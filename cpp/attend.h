@@ -145,7 +145,7 @@ struct Partial {
 // Per-thread scratch, kept across calls.
 struct Scratch {
   // Collision counts of one head (retrieve.cpp), a byte per token: 0, 1, then >= 3 with bit 1 set.
-  std::vector<uint8_t> hits;
+  std::vector<uint8_t> collisions;
   std::vector<uint64_t> sampled;  // [G][words]: the tokens each head samples
   std::vector<uint16_t> list, rmask, ktile, vtile;
   std::vector<float> qf;                 // [G][d] the unit's queries in fp32
@@ -207,7 +207,7 @@ inline float column_dot(const float* q, const uint16_t* kb, int64_t kj, int t, i
 void retrieve(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scratch, int* counts);
 // The tokens whose collision count (retrieve's bytes) has bit 1 set, as a bitset of `words` words;
 // returns how many.  The scalar twin is sampled_words_scalar (retrieve.cpp).
-int sampled_words_scalar(const uint8_t* hits, int words, uint64_t* out);
+int sampled_words_scalar(const uint8_t* collisions, int words, uint64_t* out);
 // Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles
 // (the V tile only when ``keys`` is false).
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys);
@@ -233,7 +233,7 @@ bool amx_value_tiles(const AttnArgs& args);
 void dense_scores_amx_avx512(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch);
 void values_amx_avx512(const AttnArgs& args, const Unit& unit, const float* w, int gp, int G, float* acc);
 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch);
-int sampled_words_avx2(const uint8_t* hits, int words, uint64_t* out);
+int sampled_words_avx2(const uint8_t* collisions, int words, uint64_t* out);
 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch, Partial part,
                  const float* neg_log_u_table);
 // isa is Avx512 or Avx512Bf16 (the bf16 dot for q.k).

@@ -54,11 +54,11 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
 
 // sampled_words_scalar, 32 tokens a vector: bit 1 of each count byte shifted up to the byte's sign
 // bit (a 16-bit shift moves no other bit there), then gathered by movemask.
-MP_AVX2 int sampled_words_avx2(const uint8_t* hits, int words, uint64_t* out) {
+MP_AVX2 int sampled_words_avx2(const uint8_t* collisions, int words, uint64_t* out) {
   int c = 0;
   for (int w = 0; w < words; ++w) {
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hits + w * 64));
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hits + w * 64 + 32));
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(collisions + w * 64));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(collisions + w * 64 + 32));
     const uint64_t m = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(lo, 6))) |
                        static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(hi, 6))))
                            << 32;

@@ -15,11 +15,11 @@ namespace mp {
 // walk was about two thirds of the lookup's time; the bytes made the lookup 5-15% cheaper
 // (results/kernel_bench_collision_bytes_avx2.md).  The keys hit twice come out of a scan of the
 // bytes in ascending order, so neither a sort nor a per-token epoch is needed.
-int sampled_words_scalar(const uint8_t* hits, int words, uint64_t* out) {
+int sampled_words_scalar(const uint8_t* collisions, int words, uint64_t* out) {
   int c = 0;
   for (int w = 0; w < words; ++w) {
     uint64_t m = 0;
-    for (int b = 0; b < 64; ++b) m |= static_cast<uint64_t>((hits[w * 64 + b] >> 1) & 1) << b;
+    for (int b = 0; b < 64; ++b) m |= static_cast<uint64_t>((collisions[w * 64 + b] >> 1) & 1) << b;
     out[w] = m;
     c += __builtin_popcountll(m);
   }
@@ -71,29 +71,29 @@ void retrieve(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scratch,
   for (int i = 0; i < kDirAhead; ++i) prefetch_next_entry();
   for (int i = 0; i < kIdsAhead; ++i) resolve_next();
   const size_t nbytes = static_cast<size_t>(words) * 64;  // past n: zero, never counted
-  scratch.hits.resize(nbytes);
+  scratch.collisions.resize(nbytes);
   scratch.sampled.resize(static_cast<size_t>(words) * G);
-  uint8_t* hits = scratch.hits.data();
+  uint8_t* collisions = scratch.collisions.data();
   for (int g = 0; g < G; ++g) {
-    std::memset(hits, 0, nbytes);
+    std::memset(collisions, 0, nbytes);
     for (int l = 0; l < L_read; ++l) {
       prefetch_next_entry();
       resolve_next();
       const Segment::Bucket b = scratch.buckets[g * L_read + l];
       const uint16_t* ids = seg.table_ids(unit.kvh * L + l);
       for (int i = b.begin; i < b.end; ++i) {
-        uint8_t& c = hits[ids[i]];
+        uint8_t& c = collisions[ids[i]];
         c = static_cast<uint8_t>(c | c << 1 | 1);
       }
     }
     uint64_t* s = scratch.sampled.data() + static_cast<size_t>(g) * words;
 #if defined(__x86_64__)
     if (isa >= Isa::Avx2) {
-      counts[g] = sampled_words_avx2(hits, words, s);
+      counts[g] = sampled_words_avx2(collisions, words, s);
       continue;
     }
 #endif
-    counts[g] = sampled_words_scalar(hits, words, s);
+    counts[g] = sampled_words_scalar(collisions, words, s);
   }
   // The union over heads, ascending, with the mask of the heads that sampled each key.
   scratch.list.clear();
