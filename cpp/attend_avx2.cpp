@@ -34,20 +34,12 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
     const float kn = rows.seg ? rows.norm(i) : 0.f;
-    if (rows.kv8) {
-      int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
-      for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
-        const int g = __builtin_ctz(m), p = pos[g]++;
-        sc[p] = dot8_f32(heads.q[g], kf, d);
-        nm[p] = kn;
-      }
-    } else {
-      const uint16_t* kr = rows.row(rows.kb, i);
-      for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
-        const int g = __builtin_ctz(m), p = pos[g]++;
-        sc[p] = dot8_row(heads.q[g], kr, d, args.dtype);
-        nm[p] = kn;
-      }
+    const uint16_t* kr = rows.kv8 ? nullptr : rows.row(rows.kb, i);
+    if (rows.kv8) int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
+    for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
+      const int g = __builtin_ctz(m), p = pos[g]++;
+      sc[p] = rows.kv8 ? dot8_f32(heads.q[g], kf, d) : dot8_row(heads.q[g], kr, d, args.dtype);
+      nm[p] = kn;
     }
   }
 }
