@@ -18,7 +18,9 @@ MP_AVX512 inline void int8_row_to_f32(Int8Part p, float* out, int d) {
 
 // Row pass 1: q.k for every (row, head) the mask asks for, written to the head's next compact
 // entry, and for segments the row's |k - c| beside it (the norm's line is prefetched with the row,
-// so the logits read both contiguously).
+// so the logits read both contiguously).  A bf16 / fp16 row is dotted straight from its 16-bit
+// values (dot_row), as qk_avx2 does: nearly every sampled row is one head's, so converting it to an
+// fp32 row first stored and loaded again d floats for the one dot product that reads them.
 MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& heads, Scratch& scratch) {
   const int d = args.d, n = rows.n;
   float* kf = scratch.row_f32.data();
@@ -26,18 +28,15 @@ MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& he
   float* nm = scratch.norms.data();
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
+  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_key(rows, i, d);
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
-    if (rows.kv8) {
-      int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
-    } else {
-      const uint16_t* kr = rows.row(rows.kb, i);
-      for (int j = 0; j < d; j += 16) _mm512_storeu_ps(kf + j, load16(kr + j, args.dtype));
-    }
     const float kn = rows.seg ? rows.norm(i) : 0.f;
+    const uint16_t* kr = rows.kv8 ? nullptr : rows.row(rows.kb, i);
+    if (rows.kv8) int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {
       const int g = __builtin_ctz(m), p = pos[g]++;
-      sc[p] = dot_f32(heads.q[g], kf, d);
+      sc[p] = rows.kv8 ? dot_f32(heads.q[g], kf, d) : dot_row(heads.q[g], kr, d, args.dtype);
       nm[p] = kn;
     }
   }
@@ -49,6 +48,7 @@ MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const H
   float* nm = scratch.norms.data();
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
+  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_key(rows, i, d);
   for (int i = 0; i < n; ++i) {
     if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
     const uint16_t* kr = rows.row(rows.kb, i);

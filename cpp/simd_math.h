@@ -100,6 +100,14 @@ MP_AVX512 inline float dot_f32(const float* q, const float* k, int d) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// dot_f32 of q with a bf16 / fp16 row, each 16 values converted as they are loaded: the same sums,
+// in the same order, as dot_f32 of the row converted to fp32 first.
+MP_AVX512 inline float dot_row(const float* q, const uint16_t* k, int d, int dtype) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int j = 0; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(k + j, dtype), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
 MP_AVX512BF16 inline float dot_bf16(const uint16_t* q, const uint16_t* k, int d) {
   __m512 acc = _mm512_setzero_ps();
   int j = 0;
