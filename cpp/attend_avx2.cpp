@@ -61,8 +61,35 @@ MP_AVX2 int sampled_words_avx2(const uint8_t* collisions, int words, uint64_t* o
 }
 
 // Heads in fours, so a K vector (8 tokens' element j) serves four FMAs; a group past the last
-// head repeats it and drops those sums.  A run's last < 8 tokens go one at a time, as the twin.
-MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
+// head repeats it and drops those sums.  Tokens go 16 at a time (two K vectors, 8 independent FMA
+// chains: 4 chains, one per head, left the FMA units waiting on each chain's latency), then 8, and a
+// run's last < 8 one at a time, as the twin.  Each token's score is one FMA chain over j = 0..d-1
+// whatever its step, so the steps give the same bits.  The dtype is a template parameter, not a
+// branch inside the j loop.
+template <int DT, int NT>
+MP_AVX2 inline void dense_step(const uint16_t* kb, int64_t kj, int d, const float* const* q, float* s, size_t nr,
+                               int cols) {
+  __m256 acc[4][NT];
+  for (int g = 0; g < 4; ++g)
+    for (int u = 0; u < NT; ++u) acc[g][u] = _mm256_setzero_ps();
+  for (int j = 0; j < d; ++j) {
+    __m256 k[NT];
+    for (int u = 0; u < NT; ++u) k[u] = load8(kb + j * kj + 8 * u, DT);
+    for (int g = 0; g < 4; ++g) {
+      const __m256 qb = _mm256_broadcast_ss(q[g] + j);
+      for (int u = 0; u < NT; ++u) acc[g][u] = _mm256_fmadd_ps(qb, k[u], acc[g][u]);
+    }
+  }
+  // A constant trip count, so every acc index is a constant and the sums stay in registers (a loop to
+  // cols made GCC keep acc in memory too, stored on every j).
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g)
+    if (g < cols)
+      for (int u = 0; u < NT; ++u) _mm256_storeu_ps(s + static_cast<size_t>(g) * nr + 8 * u, acc[g][u]);
+}
+
+template <int DT>
+MP_AVX2 void dense_scores_dt(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
   const int d = args.d, G = heads.G, nr = unit.end - unit.begin;
   const int64_t kj = args.ks[3];
   scratch.scores.resize(static_cast<size_t>(G) * nr);
@@ -71,23 +98,26 @@ MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Hea
     const BlockRun b = block_run(args, unit, i);
     run = b.run;
     const uint16_t* kb = args.kc + b.blk * args.ks[0] + b.off + unit.kvh * args.ks[2];
-    int t = 0;
-    for (; t + 8 <= run; t += 8)
-      for (int g0 = 0; g0 < G; g0 += 4) {
-        const float* q[4];
-        for (int g = 0; g < 4; ++g) q[g] = heads.q[std::min(g0 + g, G - 1)];
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int j = 0; j < d; ++j) {
-          const __m256 k = load8(kb + j * kj + t, args.dtype);
-          for (int g = 0; g < 4; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[g] + j), k, acc[g]);
-        }
-        for (int g = 0; g < std::min(4, G - g0); ++g)
-          _mm256_storeu_ps(s + static_cast<size_t>(g0 + g) * nr + i + t, acc[g]);
-      }
-    for (; t < run; ++t)
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      const float* q[4];
+      for (int g = 0; g < 4; ++g) q[g] = heads.q[std::min(g0 + g, G - 1)];
+      const int cols = std::min(4, G - g0);
+      float* sg = s + static_cast<size_t>(g0) * nr + i;
+      int t = 0;
+      for (; t + 16 <= run; t += 16) dense_step<DT, 2>(kb + t, kj, d, q, sg + t, nr, cols);
+      for (; t + 8 <= run; t += 8) dense_step<DT, 1>(kb + t, kj, d, q, sg + t, nr, cols);
+    }
+    for (int t = run - run % 8; t < run; ++t)
       for (int g = 0; g < G; ++g)
         s[static_cast<size_t>(g) * nr + i + t] = column_dot(heads.q[g], kb, kj, t, d, args.dtype);
   }
+}
+
+MP_AVX2 void dense_scores_avx2(const AttnArgs& args, const Unit& unit, const Heads& heads, Scratch& scratch) {
+  if (args.dtype == BF16)
+    dense_scores_dt<BF16>(args, unit, heads, scratch);
+  else
+    dense_scores_dt<FP16>(args, unit, heads, scratch);
 }
 
 // The V pass over dimensions j0 .. j0 + 8 * NV - 1, in one walk down the rows: a row's V vectors are

@@ -113,6 +113,13 @@ int64_t sparse_decode(const AttnArgs& in) {
   // Column-major K (the "vec" layout): q.k straight from the cache (see the unit loop).
   const bool dense_amx = isa >= Isa::Avx512 && args.dtype == BF16 && amx_key_tiles(args) && amx_value_tiles(args);
   const bool dense_direct = dense_amx || keys_column_major(args);
+  // Row-major V rows side by side in a block (the "vec" layout's V): a dense unit's V rows are read
+  // in place, no V tile copied.  The copy wrote and read again every exact token's V row, ~1/3 of
+  // the exact part (the sinks and the not yet indexed tail, ~516 tokens a request).
+  const bool v_in_place = dense_direct && !dense_amx && values_rows_in_place(args);
+  // Where dense units read the cache in place (q.k always; V in place or from the AMX tiles) they
+  // end at block boundaries, so a unit's rows lie in one block: the same units in both layouts,
+  // so the AMX tiles' output stays the vec layout's bit for bit.
   const int nt = team_size(args.num_threads);
   // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
   // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic
@@ -139,7 +146,11 @@ int64_t sparse_decode(const AttnArgs& in) {
         for (const auto& sp : (*args.segs)[r]) units.push_back({r, kvh, h0, G, sp.get(), 0, 0});
         for (int k = 0; k < 2; ++k) {
           const int lo = args.ranges[r * 4 + k * 2], hi = args.ranges[r * 4 + k * 2 + 1];
-          for (int p = lo; p < hi; p += DCHUNK) units.push_back({r, kvh, h0, G, nullptr, p, std::min(hi, p + DCHUNK)});
+          for (int p = lo, e; p < hi; p = e) {
+            e = std::min(hi, p + DCHUNK);
+            if (dense_direct) e = std::min(e, (p / args.block_size + 1) * args.block_size);
+            units.push_back({r, kvh, h0, G, nullptr, p, e});
+          }
         }
       }
   group_begin.push_back(static_cast<int>(units.size()));
@@ -208,7 +219,7 @@ int64_t sparse_decode(const AttnArgs& in) {
       // only V copied to a tile.  A K tile of such a cache is a transpose, one strided element per
       // (token, j), which with the per-row dot products made an exact tail token cost ~4x what
       // vLLM's own kernel spends on it.
-      if (!dense_amx) gather_dense(args, unit, scratch, !dense_direct);
+      if (!dense_amx && !v_in_place) gather_dense(args, unit, scratch, !dense_direct);
       rows.n = unit.end - unit.begin;
       if (dense_direct) {
 #if defined(__x86_64__)
@@ -223,9 +234,9 @@ int64_t sparse_decode(const AttnArgs& in) {
       }
       scratch.rmask.assign(rows.n, static_cast<uint16_t>((1u << unit.G) - 1));
       rows.kb = dense_direct ? nullptr : scratch.ktile.data();
-      rows.vb = dense_amx ? nullptr : scratch.vtile.data();
+      rows.vb = dense_amx ? nullptr : v_in_place ? dense_values(args, unit) : scratch.vtile.data();
       rows.amx = dense_amx ? &unit : nullptr;
-      rows.stride = args.d;
+      rows.stride = args.d;              // a tile's, and in place (values_rows_in_place) the cache's token stride
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
       std::fill_n(part_count + slot, unit.G, int64_t{0});
       for (int g = 0; g <= unit.G; ++g) rows.off[g] = g * rows.n;
