@@ -62,7 +62,11 @@ MP_AVX512 void dense_scores_amx_avx512(const AttnArgs& args, const Unit& unit, c
           }
         }
         const int lo = std::max(first, b.off), hi = std::min(first + 16, vec_end);
-        for (int g = 0; g < std::min(4, G - g0); ++g) {
+        // A constant trip count keeps acc in registers (a loop to min(4, G - g0) made GCC store the
+        // sums to the stack on every p, as it did in dense_scores_avx2).
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          if (g >= G - g0) break;
           _mm512_store_ps(lanes, acc[g]);
           std::copy(lanes + (lo - first), lanes + (hi - first),
                     s + static_cast<size_t>(g0 + g) * nr + i + (lo - b.off));
