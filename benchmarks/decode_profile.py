@@ -2,6 +2,7 @@
 CPU decode kernel on the same paged cache, for SmolLM2's shape (3 KV heads x 3).
 
     python benchmarks/decode_profile.py [--contexts 4096,16384] [--batches 1,4] [--tree DIR]
+    python benchmarks/decode_profile.py --cold [--layers 28]
 
 MAGICPIG is timed as the backend runs it (``SparseLayer.begin`` + ``forward``: index
 lookups, then one native call that hashes the queries, computes q.c and attends) and split
@@ -11,6 +12,13 @@ alone, for scale: the call does that hashing inside. "Its exact part alone" is t
 with the sinks and the tail only (no segments), beside vLLM's kernel over as many tokens. Keys are
 synthetic (a common offset, as real models have, plus noise); the sampled fraction
 is printed next to every time.
+
+``--cold`` times the layer as an engine meets it: copies of it, each with its own cache and
+index, called in turn (by default enough copies to hold 3x the L3, as kernel_bench's cold;
+``--layers 28`` as many as SmolLM2's sparse layers, whose index and mirror together span
+gigabytes), against vLLM's kernel over copies of the cache in turn, with the kernel's phase
+timers. Called back to back, one layer's index and sampled rows stay in the L3 and its pages
+in the TLB, which no engine step sees.
 
 ``--tree DIR`` times the vllm_magicpig of another checkout with its extension built (a git
 worktree of an earlier commit, say) with this script's timings; run it and the default in turn
@@ -60,7 +68,7 @@ class _Cam:  # the fields of vLLM's CommonAttentionMetadata that StepPlanner.pla
         self.block_table_tensor = bt
 
 
-def run(ctx: int, batch: int, K: int, L: int):
+def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 0):
     from vllm import _custom_ops as ops
 
     gen = torch.Generator().manual_seed(ctx + batch)
@@ -112,6 +120,8 @@ def run(ctx: int, batch: int, K: int, L: int):
     layer_step()  # builds the index
     build_ms = (time.perf_counter() - t0) * 1e3
 
+    if cold:
+        return run_cold(ctx, batch, cache, q, out, qsl, seq, sched, bt, plan, rt, H, layer_step, build_ms, layers)
     t_exact = med(exact)
     t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
     t_layer = med(layer_step)
@@ -147,16 +157,71 @@ def run(ctx: int, batch: int, K: int, L: int):
                 sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm)
 
 
+def run_cold(ctx, batch, cache, q, out, qsl, seq, sched, bt, plan, rt, H, layer_step, build_ms, layers):
+    """The layer as an engine meets it: copies of it (own cache, own index) called in turn, so
+    between two calls of one the others have read 3x the L3 (kernel_bench's cold), against
+    vLLM's kernel over copies of the cache in turn. Per-layer milliseconds of a whole turn."""
+    from vllm import _custom_ops as ops
+
+    from kernel_bench import cold_layers
+
+    n = layers or cold_layers(cache.numel() * cache.element_size() + rt.index.index_bytes + rt.index.mirror_bytes)
+    caches, steps = [cache], [layer_step]
+    for j in range(1, n):
+        c = cache.clone()
+        lay = SparseLayer(LayerContext(f"model.layers.{3 + j}.self_attn.attn", 3 + j, H, HKV, D, D ** -0.5, rt))
+        caches.append(c)
+        steps.append(lambda c=c, lay=lay: lay.forward(q, lay.begin(c, plan), plan, out))
+        steps[-1]()  # builds its index
+    kvs = [c.view(c.shape[0], HKV, 2 * BS, D).chunk(2, dim=2) for c in caches]
+
+    def exact_turn():
+        for k, v in kvs:
+            ops.cpu_attention_with_kv_cache(query=q, key_cache=k, value_cache=v, output=out, query_start_loc=qsl,
+                                            seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
+                                            sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched,
+                                            s_aux=None)
+
+    def layer_turn():
+        for step in steps:
+            step()
+
+    reps = max(5, 60 // n)
+    t_exact, t_layer = med(exact_turn, reps) / n, med(layer_turn, reps) / n
+    with kernel.profiling() as phase_s:  # the kernel's phase timers (thread-seconds), one turn more
+        layer_turn()
+    phases = " ".join(f"{k} {v / n * 1e3:.3f}" for k, v in phase_s.items())
+    return dict(context=ctx, batch=batch, layers=n, exact_ms=t_exact, magicpig_layer_ms=t_layer, build_ms=build_ms,
+                phases=phases)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--K", type=int, default=10)
     ap.add_argument("--L", type=int, default=150)
+    ap.add_argument("--cold", action="store_true",
+                    help="time copies of the layer in turn (run_cold), as an engine calls it")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="with --cold: this many copies (an engine's sparse layers, 28 for SmolLM2) instead of "
+                         "enough to hold 3x the L3")
     ap.add_argument("--tree", type=Path, default=None, help="another built checkout to time (module docs)")
     a = ap.parse_args(argv)
     print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} vLLM cache layout={ISA} K={a.K} L={a.L} "
           f"tree={TREE}")
+    if a.cold:
+        print("Cold: copies of the layer called in turn; ms per layer call")
+        print("| context | batch | layer copies | vLLM exact ms cold | MAGICPIG layer ms cold | ratio | "
+              "index build ms | kernel phases, thread-ms per layer |")
+        print("|---|---|---|---|---|---|---|---|")
+        for ctx in [int(x) for x in a.contexts.split(",")]:
+            for b in [int(x) for x in a.batches.split(",")]:
+                r = run(ctx, b, a.K, a.L, cold=True, layers=a.layers)
+                print(f"| {ctx} | {b} | {r['layers']} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
+                      f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['build_ms']:.0f} | {r['phases']} |",
+                      flush=True)
+        return
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
           "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
           "exact tokens a request | its exact part alone ms (vLLM's kernel, as many tokens) |")
