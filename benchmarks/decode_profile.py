@@ -57,6 +57,11 @@ from kernel_bench import timeit  # noqa: E402
 D, HKV, G, BS = 64, 3, 3, 128
 
 
+def split_kv(cache):
+    """(K, V) views of a [blocks, KV heads, BS, 2 * D] cache, the layout vLLM's CPU kernel reads."""
+    return cache.view(cache.shape[0], HKV, 2 * BS, D).chunk(2, dim=2)
+
+
 def med(fn, reps=30):
     """Median milliseconds of ``fn`` (the kernel benchmark's timer)."""
     return timeit(fn, reps, warmup=3) * 1e3
@@ -76,8 +81,7 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
     nbr = math.ceil(ctx / BS)
     nb = nbr * batch + 1
     cache = torch.zeros(nb, HKV, BS, 2 * D, dtype=torch.bfloat16)
-    kv = cache.view(nb, HKV, 2 * BS, D)
-    kc, vc = kv.chunk(2, dim=2)
+    kc, vc = split_kv(cache)
     off = torch.randn(HKV, D, generator=gen) * 2
     bt = torch.zeros(batch, nbr, dtype=torch.int32)
     for r in range(batch):
@@ -98,11 +102,14 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
                                                 causal=True, sliding_window_size=-1, isa=ISA,
                                                 enable_kv_split=True)
 
-    def exact():
-        ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+    def exact_on(k, v):  # vLLM's kernel over K/V views like kc, vc (run_cold passes its copies)
+        ops.cpu_attention_with_kv_cache(query=q, key_cache=k, value_cache=v, output=out, query_start_loc=qsl,
                                         seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
                                         sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched,
                                         s_aux=None)
+
+    def exact():
+        exact_on(kc, vc)
 
     # Each run writes its cache directly, not through vLLM, so nothing invalidates the
     # previous run's index entries on the same block ids: a fresh runtime per run.
@@ -113,15 +120,17 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
     settings = rt.step_settings()
     plan = planner.plan(_Cam(seq, bt), batch, settings)
 
-    def layer_step():
-        layer.forward(q, layer.begin(cache, plan), plan, out)
+    def step_of(layer_, cache_):  # one decode of a layer over its cache, as the backend runs it
+        return lambda: layer_.forward(q, layer_.begin(cache_, plan), plan, out)
+
+    layer_step = step_of(layer, cache)
 
     t0 = time.perf_counter()
     layer_step()  # builds the index
     build_ms = (time.perf_counter() - t0) * 1e3
 
     if cold:
-        return run_cold(ctx, batch, cache, q, out, qsl, seq, sched, bt, plan, rt, H, layer_step, build_ms, layers)
+        return run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers)
     t_exact = med(exact)
     t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
     t_layer = med(layer_step)
@@ -157,30 +166,25 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
                 sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm)
 
 
-def run_cold(ctx, batch, cache, q, out, qsl, seq, sched, bt, plan, rt, H, layer_step, build_ms, layers):
+def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers):
     """The layer as an engine meets it: copies of it (own cache, own index) called in turn, so
     between two calls of one the others have read 3x the L3 (kernel_bench's cold), against
     vLLM's kernel over copies of the cache in turn. Per-layer milliseconds of a whole turn."""
-    from vllm import _custom_ops as ops
-
     from kernel_bench import cold_layers
 
     n = layers or cold_layers(cache.numel() * cache.element_size() + rt.index.index_bytes + rt.index.mirror_bytes)
     caches, steps = [cache], [layer_step]
     for j in range(1, n):
-        c = cache.clone()
+        caches.append(cache.clone())
         lay = SparseLayer(LayerContext(f"model.layers.{3 + j}.self_attn.attn", 3 + j, H, HKV, D, D ** -0.5, rt))
-        caches.append(c)
-        steps.append(lambda c=c, lay=lay: lay.forward(q, lay.begin(c, plan), plan, out))
+        steps.append(step_of(lay, caches[-1]))
         steps[-1]()  # builds its index
-    kvs = [c.view(c.shape[0], HKV, 2 * BS, D).chunk(2, dim=2) for c in caches]
+
+    kvs = [split_kv(c) for c in caches]
 
     def exact_turn():
         for k, v in kvs:
-            ops.cpu_attention_with_kv_cache(query=q, key_cache=k, value_cache=v, output=out, query_start_loc=qsl,
-                                            seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
-                                            sliding_window=-1, block_table=bt, softcap=0, scheduler_metadata=sched,
-                                            s_aux=None)
+            exact_on(k, v)
 
     def layer_turn():
         for step in steps:

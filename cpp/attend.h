@@ -194,6 +194,16 @@ inline BlockRun block_run(const AttnArgs& args, const Unit& unit, int i) {
   return {std::min(unit.end - p, bs - off), off,
           args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + p / bs]};
 }
+// Whether V keeps a token's d values side by side and a block's tokens one after the other (vLLM's
+// CPU "vec" layout), so a dense unit inside one block reads its V rows in place: row i of the unit at
+// dense_values(args, unit) + i * d (the address gather_dense copies that run from).
+inline bool values_rows_in_place(const AttnArgs& args) {
+  return args.vs[3] == 1 && args.vs[1] == args.d && !args.vt.tiled(args.block_size, args.d);
+}
+inline const uint16_t* dense_values(const AttnArgs& args, const Unit& unit) {
+  const BlockRun b = block_run(args, unit, 0);
+  return args.vc + b.blk * args.vs[0] + unit.kvh * args.vs[2] + b.off * args.vs[1];
+}
 // q . k of token t of a column-major K run (element j at kb[j * kj + t]), summed in float for
 // j = 0..d-1: dense_scores_scalar's score, and dense_scores_avx2's for a run's last < 8 tokens.
 inline float column_dot(const float* q, const uint16_t* kb, int64_t kj, int t, int d, int dtype) {
@@ -211,17 +221,6 @@ int sampled_words_scalar(const uint8_t* collisions, int words, uint64_t* out);
 // Copies dense tokens [unit.begin, unit.end) out of the strided paged cache into row-major tiles
 // (the V tile only when ``keys`` is false).
 void gather_dense(const AttnArgs& args, const Unit& unit, Scratch& scratch, bool keys);
-// Whether V keeps a token's d values side by side and a block's tokens one after the other (vLLM's
-// CPU "vec" layout), so a dense unit inside one block reads its V rows in place: row i of the unit at
-// dense_values(args, unit) + i * d.
-inline bool values_rows_in_place(const AttnArgs& args) {
-  return args.vs[3] == 1 && args.vs[1] == args.d && !args.vt.tiled(args.block_size, args.d);
-}
-inline const uint16_t* dense_values(const AttnArgs& args, const Unit& unit) {
-  const int bs = args.block_size;
-  const int64_t blk = args.block_table[static_cast<size_t>(unit.r) * args.max_blocks + unit.begin / bs];
-  return args.vc + blk * args.vs[0] + unit.kvh * args.vs[2] + static_cast<int64_t>(unit.begin % bs) * args.vs[1];
-}
 // Whether the cache keeps K column-major per block (vLLM's CPU layout: a block's tokens side by
 // side for each element j), so dense_scores_* read a dense unit's q.k straight from it.
 inline bool keys_column_major(const AttnArgs& args) {

@@ -117,9 +117,6 @@ int64_t sparse_decode(const AttnArgs& in) {
   // in place, no V tile copied.  The copy wrote and read again every exact token's V row (the sinks
   // and the not yet indexed tail, ~516 tokens a request): its memmove was 4.5% of a cold 16K layer.
   const bool v_in_place = dense_direct && !dense_amx && values_rows_in_place(args);
-  // Where dense units read the cache in place (q.k always; V in place or from the AMX tiles) they
-  // end at block boundaries, so a unit's rows lie in one block: the same units in both layouts,
-  // so the AMX tiles' output stays the vec layout's bit for bit.
   const int nt = team_size(args.num_threads);
   // Heads per unit: all of a KV head's query heads (up to MAXG) share their unit's K/V row reads,
   // unless that leaves fewer than kUnitsPerThread segment units per thread, too few for the dynamic
@@ -148,6 +145,9 @@ int64_t sparse_decode(const AttnArgs& in) {
           const int lo = args.ranges[r * 4 + k * 2], hi = args.ranges[r * 4 + k * 2 + 1];
           for (int p = lo, e; p < hi; p = e) {
             e = std::min(hi, p + DCHUNK);
+            // Where dense units read the cache in place (q.k always; V in place or from the AMX
+            // tiles) they end at block boundaries, so a unit's rows lie in one block: the same units
+            // in both layouts, so the AMX tiles' output stays the vec layout's bit for bit.
             if (dense_direct) e = std::min(e, (p / args.block_size + 1) * args.block_size);
             units.push_back({r, kvh, h0, G, nullptr, p, e});
           }
