@@ -15,9 +15,11 @@ engines' schedulers are pinned off their workers' cores (``keep_off_worker_cores
 2. decode a few tokens from the prefix cache (MAGICPIG builds the row's LSH index here, from an
    empty index, on its background thread: decoding repeats until it is installed; reported as
    index build time, and as a share of the prompts' prefill);
-3. decode timed as a difference (``decode_seconds``): runs of 8 and 8 + ``--decode-tokens``
-   tokens, so the recompute of the prompt's last block that every prefix-cache hit pays cancels
-   and only decode steps are compared;
+3. decode timed by vLLM's request timestamps (``decode_seconds``): runs of 8 and 8 + ``--decode-tokens``
+   tokens from the prefix cache, each timed from its first token to its last, so the recompute
+   of the prompt's last block that every prefix-cache hit pays (before the first token) is left
+   out; the difference of the two spans leaves out the first decode steps too. The difference
+   of the runs' wall times, which cancels the recompute but carries its noise, is kept beside it;
 4. the cold path a user meets: one new prompt of the same length (no prefix-cache hit),
    prefill plus ``--cold-tokens`` tokens, the index build included; reported as ms per
    generated token (``--cold-tokens 0`` skips it);
@@ -46,6 +48,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHORT_TOKENS = 8  # the short run of the decode difference (see decode_seconds)
@@ -105,11 +108,32 @@ def _stats(llm):
 
 
 def _timed_generate(llm, prompts, tokens: int) -> float:
+    return _generate(llm, prompts, tokens)[0]
+
+
+def _generate(llm, prompts, tokens: int) -> tuple[float, float]:
+    """-> (wall seconds of a ``generate`` of ``tokens`` tokens, seconds from its first token to its
+    last by vLLM's request timestamps: ``decode_span_seconds``)."""
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t0
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+                           use_tqdm=False)
+    return time.perf_counter() - t0, decode_span_seconds(outputs)
+
+
+def decode_span_seconds(outputs) -> float:
+    """Seconds from the first token to the last of a run, by vLLM's per-request timestamps (the
+    engine core's clock at each request's first and last token), averaged over the batch's
+    requests, which decode in the same steps. The first token comes from the prefill (for a
+    prefix-cache hit, the recompute of the prompt's last block), so only decode steps lie between."""
+    spans = []
+    for out in outputs:
+        m = out.metrics
+        if m is None or not m.last_token_ts:
+            raise RuntimeError("vLLM gave no request timestamps: the engine needs disable_log_stats=False")
+        spans.append(m.last_token_ts - m.first_token_ts)
+    return sum(spans) / len(spans)
 
 
 def in_turn(fns: dict, reps: int, pause_s: float = HANDOVER_S) -> dict:
@@ -135,34 +159,57 @@ def generate_in_turn(llms: dict, prompts, tokens: int, reps: int) -> dict:
     return in_turn({n: (lambda llm=llm: _timed_generate(llm, prompts, tokens)) for n, llm in llms.items()}, reps)
 
 
+class DecodeTiming(NamedTuple):
+    step_s: float  # seconds per decode step: the difference of two runs' decode spans (request timestamps)
+    wall_difference_s: float  # the same from the two runs' wall times, the recompute cancelling
+    request_s: float  # the fastest long run, whole (recompute of the last block included)
+
+
 def decode_seconds(llms: dict, prompts, decode_tokens: int, reps: int = REPEATS) -> dict:
-    """backend -> (seconds for ``decode_tokens`` decode steps of the batch, the whole timed request).
+    """backend -> ``DecodeTiming`` of the batch's decode steps from the prefix cache.
 
     Each ``generate`` from the prefix cache first recomputes the prompt's last block (vLLM keeps
     at least one prompt token to compute): a prefill of up to a block at the full context, the
-    same for both backends, that would dilute a decode ratio. So decode is timed as a difference:
-    ``SHORT_TOKENS`` tokens, then ``SHORT_TOKENS + decode_tokens`` tokens of the same prompts; the
-    recompute and the first steps cancel. The engines take turns (``in_turn``), and the minimum
-    of ``reps`` runs of each is taken (noise on these machines only ever adds time)."""
-    short = generate_in_turn(llms, prompts, SHORT_TOKENS, reps)
-    long = generate_in_turn(llms, prompts, SHORT_TOKENS + decode_tokens, reps)
-    return {n: (max(min(long[n]) - min(short[n]), 1e-9), min(long[n])) for n in llms}
+    same for both backends, that would dilute a decode ratio. Runs of ``SHORT_TOKENS`` and
+    ``SHORT_TOKENS + decode_tokens`` tokens are timed by vLLM's request timestamps from the first
+    token to the last (``decode_span_seconds``), which leaves the recompute out, and the step is
+    the difference of the two spans over ``decode_tokens``, which leaves out the first decode
+    steps too: the step after the first token took ~0.5 s for either backend at 4K tokens, batch 4
+    (6x a later step), and would have added ~11 ms to every step of a 40-token span. The same
+    difference of the runs' wall times, which cancels the recompute but carries its noise (at 16K
+    tokens, batch 4, ~7 s of recompute around ~3 s of decode), is kept beside it as a cross-check.
+    The engines take turns (``in_turn``), and the minimum of ``reps`` runs of each is taken (noise
+    on these machines only ever adds time)."""
+    def run(llm, tokens):
+        return lambda: _generate(llm, prompts, tokens)
+
+    short = in_turn({n: run(llm, SHORT_TOKENS) for n, llm in llms.items()}, reps)
+    long = in_turn({n: run(llm, SHORT_TOKENS + decode_tokens) for n, llm in llms.items()}, reps)
+    out = {}
+    for n in llms:
+        def fastest(runs, k):
+            return min(r[k] for r in runs)
+
+        step = max(fastest(long[n], 1) - fastest(short[n], 1), 1e-9) / decode_tokens
+        wall = max(fastest(long[n], 0) - fastest(short[n], 0), 1e-9) / decode_tokens
+        out[n] = DecodeTiming(step, wall, fastest(long[n], 0))
+    return out
 
 
 def first_decode_ms(llms: dict, prompt: str, reps: int = REPEATS) -> dict:
     """backend -> milliseconds of a prompt's first decode step, index included: MAGICPIG's index is
     cleared first, so that step meets an unindexed prompt as a new one does (from the prefix
-    cache, so no full prefill: 2 tokens minus 1 token, the recompute of the last block cancelling).
-    Left signed: a difference below 0 says the step was smaller than the runs' noise (12-04's 16K
-    row read 0.0 when this was clamped)."""
-    def run(backend: str, tokens: int) -> float:
+    cache, so no full prefill: the span of a 2-token run by vLLM's request timestamps,
+    ``decode_span_seconds``); the fastest of ``reps``. The step after the first token is slower
+    than later ones for either backend (see ``decode_seconds``), so the delay indexing adds is
+    MAGICPIG's step less CPU_ATTN's."""
+    def run(backend: str) -> float:
         if backend == "MAGICPIG":
             llms[backend].collective_rpc("magicpig_clear_index")
-        return _timed_generate(llms[backend], [prompt], tokens)
+        return _generate(llms[backend], [prompt], 2)[1]
 
-    one = in_turn({n: (lambda n=n: run(n, 1)) for n in llms}, reps)
-    two = in_turn({n: (lambda n=n: run(n, 2)) for n in llms}, reps)
-    return {n: round(1000 * (min(two[n]) - min(one[n])), 1) for n in llms}
+    steps = in_turn({n: (lambda n=n: run(n)) for n in llms}, reps)
+    return {n: round(1000 * min(steps[n]), 1) for n in llms}
 
 
 def _waiting(before: dict, after: dict) -> bool:
@@ -208,7 +255,7 @@ def floor_ms_per_step(llms: dict, batch: int, decode_tokens: int) -> dict:
     prompts = [f"Note {i}: {words}" for i in range(batch)]
     for llm in llms.values():
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    return {n: round(1000 * d / decode_tokens, 2) for n, (d, _) in decode_seconds(llms, prompts, decode_tokens).items()}
+    return {n: round(1000 * t.step_s, 2) for n, t in decode_seconds(llms, prompts, decode_tokens).items()}
 
 
 def _decodes(st: dict) -> int:
@@ -356,10 +403,11 @@ def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_
         st = _stats(llms["MAGICPIG"])  # before the floor's decodes add to it
         floor = floor_ms_per_step(llms, b, decode_tokens)  # beside the row it splits: the machine drifts
         for n in BACKENDS:
-            decode_s, request_s = timed[n]
+            t = timed[n]
             row = dict(backend=n, context=ctx, batch=b, prefill_s=round(prefill_s[n][0], 2),
-                       decode_s=round(decode_s, 3), tok_per_s=round(b * decode_tokens / decode_s, 2),
-                       ms_per_step=round(1000 * decode_s / decode_tokens, 2), request_s=round(request_s, 3),
+                       decode_s=round(t.step_s * decode_tokens, 3), tok_per_s=round(b / t.step_s, 2),
+                       ms_per_step=round(1000 * t.step_s, 2), ms_per_step_wall=round(1000 * t.wall_difference_s, 2),
+                       request_s=round(t.request_s, 3),
                        kv_bytes_per_token=kv_bpt, floor_ms_per_step=floor[n], scheduler_cores=scheduler_cores)
             if n == "MAGICPIG":
                 row.update(first_run_s=round(first_s, 3), warm_runs=warm_runs,
@@ -443,17 +491,20 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
     and the index build against the prompts' prefill."""
     base = {(r["threads"], r["context"], r["batch"]): r for r in rows if r["backend"] == "CPU_ATTN"}
     lines = [
-        f"Decode: {decode_tokens} steps timed as the difference of two runs from the prefix cache "
-        f"({SHORT_TOKENS} and {SHORT_TOKENS}+{decode_tokens} tokens, fastest of {REPEATS} each), so the "
-        "recompute of the prompt's last block cancels. Bytes per token: MAGICPIG's host memory (LSH tables + K/V "
-        "mirror, all layers) per context token of the row's prompts, beside vLLM's own KV cache per token. Index "
-        "build: the seconds spent indexing the row's prompts (on the background thread, unless disabled), and that "
-        "as a share of their prefill; the cold table below gives what indexing cost a request.",
+        f"Decode: ms per step from vLLM's request timestamps: runs of {SHORT_TOKENS} and "
+        f"{SHORT_TOKENS}+{decode_tokens} tokens from the prefix cache (fastest of {REPEATS} each), each timed from its "
+        "first token to its last (so the recompute of the prompt's last block, before the first token, is left out), "
+        "the difference of the two spans over the extra steps (so the first decode steps are left out too). Beside "
+        "it, the same difference of the runs' wall times, a cross-check that carries both runs' noise. Bytes per "
+        "token: MAGICPIG's host memory (LSH tables + K/V mirror, all layers) per context token of the row's prompts, "
+        "beside vLLM's own KV cache per token. Index build: the seconds spent indexing the row's prompts (on the "
+        "background thread, unless disabled), and that "
+"as a share of their prefill; the cold table below gives what indexing cost a request.",
         "",
         "| threads | context | batch | CPU_ATTN tok/s | MAGICPIG tok/s | speed-up | sampled fraction | "
-        "ms per step (CPU_ATTN / MAGICPIG) | bytes per token (MAGICPIG / KV cache) | index build s | "
-        "build / prefill |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ms per step (CPU_ATTN / MAGICPIG) | by wall times | bytes per token (MAGICPIG / KV cache) | "
+        "index build s | build / prefill |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["backend"] != "MAGICPIG" or r["batch"] == "cold":
@@ -464,16 +515,18 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
         lines.append(
             f"| {r['threads']} | {r['context']} | {r['batch']} | {b['tok_per_s']:.1f} | {r['tok_per_s']:.1f} | "
             f"{r['tok_per_s'] / b['tok_per_s']:.2f}x | {'n/a' if frac is None else f'{frac:.2%}'} | "
-            f"{b['ms_per_step']} / {r['ms_per_step']} | {r['bytes_per_token']} / {r['kv_bytes_per_token']} | "
+            f"{b['ms_per_step']} / {r['ms_per_step']} | "
+            f"{b.get('ms_per_step_wall', '-')} / {r.get('ms_per_step_wall', '-')} | "
+            f"{r['bytes_per_token']} / {r['kv_bytes_per_token']} | "
             f"{r['index_build_s']} | {r['index_build_s'] / (prefill_each * r['batch']):.1%} |"
         )
     lines += breakdown_lines(rows, base)
     first = [r for r in rows if r["backend"] == "MAGICPIG" and "first_decode_ms" in r]
     if first:
         lines += ["", "First decode step of a prompt whose index is not built yet (MAGICPIG's index cleared before "
-                  "it; from the prefix cache: a 2-token run minus a 1-token run): the delay indexing adds to the first "
-                  "decode token, against that prompt's prefill. A step below 0 ms is a difference smaller than the "
-                  "runs' noise.", "",
+                  "it; from the prefix cache: the one step of a 2-token run, by vLLM's request timestamps): the delay "
+                  "indexing adds to the first decode token (MAGICPIG's step less CPU_ATTN's: the step after the first "
+                  "token is slower than later ones for either backend), against that prompt's prefill.", "",
                   "| threads | context | CPU_ATTN ms | MAGICPIG ms | delay from indexing | prefill s | "
                   "delay / prefill |",
                   "|---|---|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """The end-to-end decode benchmark's arithmetic (benchmarks/e2e_decode.py), without an engine:
-decode is timed as a difference that cancels the per-request prefill, and the table and plot
-read the rows it writes."""
+decode steps are timed by the requests' timestamps (and, as a cross-check, as a difference that
+cancels the per-request prefill), and the table and plot read the rows it writes."""
 from __future__ import annotations
 
 import sys
@@ -26,25 +26,62 @@ class _Clock:
 
 class _FakeLLM:
     """generate() advances the clock by a fixed per-request cost plus a per-token cost: what a
-    prefix-cache hit does (recompute the last block, then decode). No real time is measured."""
+    prefix-cache hit does (recompute the last block, then decode), and returns outputs with vLLM's
+    request timestamps: the first token after the recompute and ``first_step_s``, then one a token.
+    A run's ``recompute_noise`` (one value per run, in order) adds to its recompute only, before the
+    first token. No real time is measured."""
 
-    def __init__(self, clock: _Clock, fixed_s: float, per_token_s: float):
+    def __init__(self, clock: _Clock, fixed_s: float, per_token_s: float, first_step_s: float = 0.0,
+                 recompute_noise=()):
         self.clock, self.fixed_s, self.per_token_s = clock, fixed_s, per_token_s
+        self.first_step_s = first_step_s
+        self.recompute_noise = list(recompute_noise)
 
     def generate(self, prompts, sp, use_tqdm=False):
-        self.clock.now += self.fixed_s + sp.max_tokens * self.per_token_s
+        noise = self.recompute_noise.pop(0) if self.recompute_noise else 0.0
+        first = self.clock.now + noise + self.fixed_s
+        last = first + (self.first_step_s - self.per_token_s if sp.max_tokens > 1 else 0.0)
+        last += (sp.max_tokens - 1) * self.per_token_s
+        self.clock.now = last
+        metrics = SimpleNamespace(first_token_ts=first, last_token_ts=last)
+        return [SimpleNamespace(metrics=metrics) for _ in prompts]
 
 
-def test_decode_difference_cancels_the_per_request_prefill_for_each_engine(monkeypatch):
+def _patch_clock(monkeypatch) -> _Clock:
     pytest.importorskip("vllm")
     clock = _Clock()
     monkeypatch.setattr(e2e_decode.time, "perf_counter", clock)
     monkeypatch.setattr(e2e_decode.time, "sleep", lambda s: None)
-    llms = {"CPU_ATTN": _FakeLLM(clock, 0.2, 0.004), "MAGICPIG": _FakeLLM(clock, 0.5, 0.002)}
+    return clock
+
+
+def test_decode_step_leaves_out_the_recompute_and_the_first_step_for_each_engine(monkeypatch):
+    clock = _patch_clock(monkeypatch)
+    llms = {"CPU_ATTN": _FakeLLM(clock, 0.2, 0.004, first_step_s=0.5),
+            "MAGICPIG": _FakeLLM(clock, 0.5, 0.002, first_step_s=0.5)}
     timed = e2e_decode.decode_seconds(llms, ["p"], decode_tokens=25, reps=2)
-    assert timed["CPU_ATTN"][0] == pytest.approx(25 * 0.004)  # the 0.2 s per request is gone
-    assert timed["MAGICPIG"][0] == pytest.approx(25 * 0.002)  # and the other engine's 0.5 s
-    assert timed["CPU_ATTN"][1] == pytest.approx(0.2 + (e2e_decode.SHORT_TOKENS + 25) * 0.004)
+    assert timed["CPU_ATTN"].step_s == pytest.approx(0.004)  # the 0.2 s recompute and the 0.5 s step are gone
+    assert timed["MAGICPIG"].step_s == pytest.approx(0.002)  # and the other engine's 0.5 s
+    assert timed["CPU_ATTN"].wall_difference_s == pytest.approx(0.004)  # the wall times agree where nothing is noisy
+    # the whole long run: recompute, the first step, then the other 8 + 25 - 2 steps
+    assert timed["CPU_ATTN"].request_s == pytest.approx(0.2 + 0.5 + (e2e_decode.SHORT_TOKENS + 25 - 2) * 0.004)
+
+
+def test_timestamps_leave_out_a_slow_recompute_that_moves_the_wall_difference(monkeypatch):
+    clock = _patch_clock(monkeypatch)
+    # both short runs' recomputes 0.03 s slow, neither long one's: the wall difference loses 0.03 s of decode
+    llm = _FakeLLM(clock, 0.2, 0.004, recompute_noise=[0.03, 0.03, 0.0, 0.0])
+    timed = e2e_decode.decode_seconds({"CPU_ATTN": llm}, ["p", "q"], decode_tokens=25, reps=2)["CPU_ATTN"]
+    assert timed.wall_difference_s == pytest.approx(0.004 - 0.03 / 25)
+    assert timed.step_s == pytest.approx(0.004)
+
+
+def test_decode_span_is_first_to_last_token_averaged_over_the_batch():
+    out = [SimpleNamespace(metrics=SimpleNamespace(first_token_ts=10.0, last_token_ts=10.9)),
+           SimpleNamespace(metrics=SimpleNamespace(first_token_ts=10.0, last_token_ts=11.1))]
+    assert e2e_decode.decode_span_seconds(out) == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="disable_log_stats"):
+        e2e_decode.decode_span_seconds([SimpleNamespace(metrics=None)])
 
 
 def test_engines_take_turns_abba_with_a_pause_at_each_handover(monkeypatch):
@@ -79,9 +116,9 @@ def test_table_gives_ratio_fraction_bytes_and_build_share():
     row = next(line for line in lines if line.startswith("| default | 16384 | 4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[5] == "1.50x" and cells[6] == "2.50%"
-    assert cells[8] == "30000 / 23040"
+    assert cells[9] == "30000 / 23040"
     # 4 prompts prefilled in 40 s: 10 s each; the batch of 4 waited 1 s for its index: 2.5%
-    assert cells[10] == "2.5%"
+    assert cells[11] == "2.5%"
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -205,3 +242,14 @@ def test_benchmark_prompts_share_no_leading_block(tmp_path):
     a, b = (tok.encode(e2e_decode.distinct_prompt(tok, 2048, seed)) for seed in (777_000, 778_000))
     assert a[:16] != b[:16]
     assert abs(len(a) - 2048) < 64 and abs(len(b) - 2048) < 64
+
+
+def test_first_decode_is_the_one_step_of_a_two_token_run_after_the_index_is_cleared(monkeypatch):
+    clock = _patch_clock(monkeypatch)
+    rpcs = []
+    magicpig = _FakeLLM(clock, 0.5, 0.01, first_step_s=0.03)
+    magicpig.collective_rpc = lambda name: rpcs.append(name)
+    cpu_attn = _FakeLLM(clock, 0.2, 0.01, first_step_s=0.02)
+    first = e2e_decode.first_decode_ms({"CPU_ATTN": cpu_attn, "MAGICPIG": magicpig}, "p", reps=2)
+    assert first == {"CPU_ATTN": 20.0, "MAGICPIG": 30.0}  # the recompute before the first token left out
+    assert rpcs == ["magicpig_clear_index"] * 2  # before each of MAGICPIG's runs
