@@ -185,11 +185,11 @@ def decode_seconds(llms: dict, prompts, decode_tokens: int, reps: int = REPEATS)
 
     short = in_turn({n: run(llm, SHORT_TOKENS) for n, llm in llms.items()}, reps)
     long = in_turn({n: run(llm, SHORT_TOKENS + decode_tokens) for n, llm in llms.items()}, reps)
+    def fastest(runs, k):  # k: 0 the wall time, 1 the decode span (_generate)
+        return min(r[k] for r in runs)
+
     out = {}
     for n in llms:
-        def fastest(runs, k):
-            return min(r[k] for r in runs)
-
         step = max(fastest(long[n], 1) - fastest(short[n], 1), 1e-9) / decode_tokens
         wall = max(fastest(long[n], 0) - fastest(short[n], 0), 1e-9) / decode_tokens
         out[n] = DecodeTiming(step, wall, fastest(long[n], 0))
@@ -498,8 +498,8 @@ def table_lines(rows: list[dict], decode_tokens: int, cold_tokens: int) -> list[
         "it, the same difference of the runs' wall times, a cross-check that carries both runs' noise. Bytes per "
         "token: MAGICPIG's host memory (LSH tables + K/V mirror, all layers) per context token of the row's prompts, "
         "beside vLLM's own KV cache per token. Index build: the seconds spent indexing the row's prompts (on the "
-        "background thread, unless disabled), and that "
-"as a share of their prefill; the cold table below gives what indexing cost a request.",
+        "background thread, unless disabled), and that as a share of their prefill; the cold table below gives what "
+        "indexing cost a request.",
         "",
         "| threads | context | batch | CPU_ATTN tok/s | MAGICPIG tok/s | speed-up | sampled fraction | "
         "ms per step (CPU_ATTN / MAGICPIG) | by wall times | bytes per token (MAGICPIG / KV cache) | "
