@@ -30,9 +30,9 @@ MP_AVX2 static void qk_avx2(const AttnArgs& args, const Rows& rows, const Heads&
   float* nm = scratch.norms.data();
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
-  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_key(rows, i, d);
+  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(rows, i, d);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
+    if (i + kPrefetchRows < n) prefetch_row(rows, i + kPrefetchRows, d);
     const float kn = rows.seg ? rows.norm(i) : 0.f;
     const uint16_t* kr = rows.kv8 ? nullptr : rows.row(rows.kb, i);
     if (rows.kv8) int8_row_to_f32(int8_key(rows.row8(i)), kf, d);

@@ -28,9 +28,9 @@ MP_AVX512 void qk_avx512(const AttnArgs& args, const Rows& rows, const Heads& he
   float* nm = scratch.norms.data();
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
-  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_key(rows, i, d);
+  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(rows, i, d);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
+    if (i + kPrefetchRows < n) prefetch_row(rows, i + kPrefetchRows, d);
     const float kn = rows.seg ? rows.norm(i) : 0.f;
     const uint16_t* kr = rows.kv8 ? nullptr : rows.row(rows.kb, i);
     if (rows.kv8) int8_row_to_f32(int8_key(rows.row8(i)), kf, d);
@@ -48,9 +48,9 @@ MP_AVX512BF16 void qk_avx512bf16(const AttnArgs& args, const Rows& rows, const H
   float* nm = scratch.norms.data();
   int pos[MAXG];
   std::copy(rows.off, rows.off + heads.G, pos);
-  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_key(rows, i, d);
+  for (int i = 0; i < std::min(n, kPrefetchRows); ++i) prefetch_row(rows, i, d);
   for (int i = 0; i < n; ++i) {
-    if (i + kPrefetchRows < n) prefetch_key(rows, i + kPrefetchRows, d);
+    if (i + kPrefetchRows < n) prefetch_row(rows, i + kPrefetchRows, d);
     const uint16_t* kr = rows.row(rows.kb, i);
     const float kn = rows.seg ? rows.norm(i) : 0.f;
     for (uint32_t m = rows.mask[i]; m; m &= m - 1) {

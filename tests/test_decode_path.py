@@ -13,7 +13,7 @@ from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.index import segment_owner
 from vllm_magicpig.kv_layout import CpuVecLayout, gather
 from vllm_magicpig.layer import SparseLayer
-from vllm_magicpig.planner import DecodePlan, StepPlanner, StepSettings, segment_layout
+from vllm_magicpig.planner import DecodePlan, StepPlanner, StepSettings, covered_end_for, segment_layout
 
 from helpers import FakeCam, make_runtime
 
@@ -82,6 +82,25 @@ def test_prompt_segments_never_change_as_decoding_grows(prompt_end, unit, larges
     # covered short of the prompt's end (a GPU mirror still copying): the prompt's part grows
     assert segment_layout(prompt_end - unit, unit, largest, prompt_end) == segment_layout(prompt_end - unit, unit,
                                                                                           largest)
+
+
+@pytest.mark.parametrize("prompt_end,unit", [(16256, 512), (16384, 512), (1024, 512), (3968, 256)])
+def test_cover_reaches_the_prompts_last_block_then_grows_in_units(prompt_end, unit):
+    """The prompt is covered up to its last full block before the local window (not rounded down
+    to a unit, which left up to a unit of prompt tokens in every step's exact tail); past it, whole
+    units of decoded tokens; short of it, whole units."""
+    window, block = 64, 128
+    for s in range(prompt_end + window, prompt_end + window + 3 * unit + 1, 37):
+        end = covered_end_for(s - window, unit, prompt_end)
+        assert end == prompt_end + ((s - window - prompt_end) // unit) * unit
+        assert window <= s - end < window + unit  # the exact tail: the window plus under a unit
+    # the first decode of a prompt of n tokens: its exact tail is the window plus under a block
+    for n in range(prompt_end + window, prompt_end + window + block):
+        assert covered_end_for(n - window, unit, prompt_end) == prompt_end and n - prompt_end < window + block
+    for limit in range(0, prompt_end, 53):  # short of the prompt's end: whole units
+        assert covered_end_for(limit, unit, prompt_end) == (limit // unit) * unit
+    ends = [covered_end_for(x, unit, prompt_end) for x in range(0, prompt_end + 4 * unit)]
+    assert ends == sorted(ends)  # monotonic: the mirror's limit and the window's combine by min
 
 
 def _exact(q, keys, values, scale, group):
@@ -157,6 +176,8 @@ def test_layer_forward_matches_reference_estimator_across_growth_and_merges():
             s = int(seq[r])
             lo, hi = int(plan.dense_ranges[r, 0, 1]), int(plan.dense_ranges[r, 1, 0])
             assert lo == cfg.sink_tokens and s - hi >= cfg.local_window, f"seed {seed}"
+            if step == 0:  # the prompt is covered to its last full block before the window (2300: 2176, not 2048)
+                assert s - hi < cfg.local_window + block, (s, hi)
             segs = [rt.index.get_segment(segment_owner(layer.ctx.name, 10, 150), ref.key) for ref in plan.segments[r]]
             kcodes = torch.zeros(hkv, 150, s, dtype=torch.int64)
             kcodes[:, :, lo:hi] = torch.cat([sg.codes() for sg in segs], dim=2).long()

@@ -89,9 +89,27 @@ class StepHostView:
         return cls(seq, table, slot_mapping, num_reqs)
 
 
+def covered_end_for(limit: int, unit: int, prompt_end: int) -> int:
+    """Where the LSH-covered range of a request ends, for a cover that may not pass ``limit`` (its
+    context less the local window, or the GPU mirror's copied blocks): the prompt's tokens up to
+    ``prompt_end`` (the last full block before the local window at its first decode), then the
+    decoded tokens in whole ``unit``s from there (the growing segment, ``segment_layout``).
+
+    The prompt's cover ends at a block, not at a ``unit``: a prompt whose end fell just short of a
+    unit boundary (the end-to-end benchmark's 16381-token prompts) left up to ``unit`` + the local
+    window of its tokens (~509 + 4 at 16K, as many as the sampled keys) to be attended exactly by
+    every sparse layer at every step, until decoding crossed the boundary; block by block the
+    exact tail at a first decode is the local window plus less than a block. Short of the prompt's
+    end (a cover the mirror still holds back, or a request over a longer prompt's centre) it is
+    whole units, as the decoded tokens'."""
+    if limit < prompt_end:
+        return (limit // unit) * unit
+    return prompt_end + ((limit - prompt_end) // unit) * unit
+
+
 def segment_layout(covered_end: int, unit: int, largest: int, prompt_end: int = 0) -> list[tuple[int, int]]:
     """Split [0, covered_end) into segments: up to ``prompt_end`` (the tokens covered at the
-    prompt's first decode, a multiple of ``unit``), full segments of ``largest`` tokens and one
+    prompt's first decode, a multiple of the block size), full segments of ``largest`` tokens and one
     last segment; past it, the same again for the decoded tokens, whose last segment grows (a
     multiple of ``unit``).
 
@@ -208,8 +226,8 @@ class StepPlanner:
             if settings.method == EXACT:
                 plan.exact_reason[r] = EXACT_METHOD
                 continue
-            covered_end = ((s - cfg.local_window) // self.unit) * self.unit
-            if s < cfg.min_sparse_context or covered_end <= cfg.sink_tokens:
+            limit = s - cfg.local_window  # the local window is always attended exactly
+            if s < cfg.min_sparse_context or (limit // self.unit) * self.unit <= cfg.sink_tokens:
                 plan.exact_reason[r] = EXACT_SHORT_CONTEXT
                 continue
             if self.cost is not None and not self.cost.sampling_pays(s):
@@ -220,9 +238,11 @@ class StepPlanner:
             if spec is None:
                 plan.exact_reason[r] = EXACT_SHORT_CONTEXT
                 continue
+            prompt_end = spec.end  # covered from the prompt's first decode on
+            covered_end = covered_end_for(limit, self.unit, prompt_end)
             if self.mirror is not None:  # cover mirrored blocks only: the rest stays in the exact tail
                 ready = self.mirror.ready_blocks(row[: covered_end // bs])
-                covered_end = min(covered_end, (ready * bs // self.unit) * self.unit)
+                covered_end = covered_end_for(min(limit, ready * bs), self.unit, prompt_end)
                 if covered_end <= cfg.sink_tokens:
                     plan.exact_reason[r] = EXACT_NOT_MIRRORED
                     continue
@@ -230,7 +250,6 @@ class StepPlanner:
                 plan.exact_reason[r] = EXACT_INDEX_DEFERRED
                 continue
             refs = []
-            prompt_end = (spec.end // self.unit) * self.unit  # covered at the prompt's first decode
             for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
