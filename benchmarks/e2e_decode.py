@@ -412,6 +412,9 @@ def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_
             if n == "MAGICPIG":
                 row.update(first_run_s=round(first_s, 3), warm_runs=warm_runs,
                            **magicpig_fields(st, b, ctx, layers, build_s))
+                # indexing inside the timed runs (a segment's growth by merging, synchronous): it lands
+                # in the step time whole, where a long answer spreads it over a unit of tokens
+                row["timed_build_s"] = round(st["build_seconds"], 3)
             print(json.dumps(row), flush=True)
             rows.append(row)
     first = first_decode_ms(llms, prompts[0])
