@@ -547,10 +547,10 @@ def plan_request(n: int, max_segment: int) -> dict:
     "Dense part on the GPU"): exact [0, sink) and [covered_end, n); LSH segments over [sink, covered_end) of at
     most ``max_segment`` tokens (planner.segment_layout); the centre over [sink, centre_end) (planner._centre_for)."""
     sink = -(-SINK_TOKENS // BLOCK) * BLOCK
-    covered_end = ((n - LOCAL_WINDOW) // SEGMENT_UNIT) * SEGMENT_UNIT
+    # a first decode: the prompt covered to its last full block before the local window (planner.covered_end_for)
+    covered_end = centre_end = ((n - LOCAL_WINDOW) // BLOCK) * BLOCK
     segs = [(max(s, sink), min(s + max_segment, covered_end)) for s in range(0, covered_end, max_segment)]
-    return {"sink": sink, "covered_end": covered_end, "segments": segs,
-            "centre_end": ((n - LOCAL_WINDOW) // BLOCK) * BLOCK}
+    return {"sink": sink, "covered_end": covered_end, "segments": segs, "centre_end": centre_end}
 
 
 def make_decode_data(dev: torch.device, n: int, R: int, H: int, hkv: int, D: int, plan: dict, seed: int) -> dict:

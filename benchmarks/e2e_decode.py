@@ -53,9 +53,13 @@ from typing import NamedTuple
 RESULTS = Path(__file__).resolve().parent / "results"
 SHORT_TOKENS = 8  # the short run of the decode difference (see decode_seconds)
 REPEATS = 2  # runs of each length; the fastest counts
-# warm-up runs of SHORT_TOKENS at most while the index is deferred (a prompt it never pays for
-# is served exactly: then the row measures that, and its sampled fraction says so)
-MAX_WARM_RUNS = 64
+# Warm-up: runs of WARM_TOKENS while the index is deferred or building, MAX_WARM_STEPS decode steps
+# at most (a prompt it never pays for is served exactly: then the row measures that, and its
+# sampled fraction says so). At 8K batch 4 on an AMX machine the cost model deferred the build
+# for ~420 steps, then it took ~13 s beside the decodes: a cap of 64 runs of 8 tokens (448 steps)
+# left that build inside the timed runs (0.54x, results/e2e_decode_amx_block_cover.md).
+WARM_TOKENS = 32
+MAX_WARM_STEPS = 1536
 BACKENDS = ("CPU_ATTN", "MAGICPIG")  # the baseline first in every turn of in_turn
 HANDOVER_S = 1.5  # between two engines' calls: the idle worker's 1 s of polling ends first (in_turn)
 ALLOWED_CPUS = frozenset(os.sched_getaffinity(0))  # before any pinning (keep_off_worker_cores)
@@ -276,17 +280,17 @@ def dense_layers_per_step(st: dict, batch: int, layers: int) -> float:
 
 def warm_up(llm, prompts) -> tuple[float, int, float]:
     """MAGICPIG: decode the row's prompts from an empty index until it is in place (built on the
-    background thread, or deferred by the cost model until it pays: at most ``MAX_WARM_RUNS``
-    runs) -> (first run's seconds, runs, seconds spent indexing). Its stats are reset after."""
+    background thread, or deferred by the cost model until it pays: at most ``MAX_WARM_STEPS``
+    decode steps) -> (first run's seconds, runs, seconds spent indexing). Its stats are reset after."""
     llm.collective_rpc("magicpig_clear_index")
     llm.collective_rpc("magicpig_reset_stats")
     before = _stats(llm)
     first_s = _timed_generate(llm, prompts, SHORT_TOKENS)
-    runs = 1
-    while runs < MAX_WARM_RUNS and _waiting(before, after := _stats(llm)):
+    runs, steps = 1, SHORT_TOKENS - 1  # a run's first token is the prompt's (prefix-cache) recompute
+    while steps < MAX_WARM_STEPS and _waiting(before, after := _stats(llm)):
         before = after
-        _timed_generate(llm, prompts, SHORT_TOKENS)
-        runs += 1
+        _timed_generate(llm, prompts, WARM_TOKENS)
+        runs, steps = runs + 1, steps + WARM_TOKENS - 1
     build_s = _stats(llm)["build_seconds"]
     llm.collective_rpc("magicpig_reset_stats")
     return first_s, runs, build_s

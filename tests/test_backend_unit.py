@@ -325,20 +325,20 @@ def test_growth_merges_instead_of_rebuilding(vllm_env, isa):
     segment of their own, which then grows by merging, while the prompt's segment stays as it was
     (shared by every request over the prompt): nothing of the prompt is hashed again."""
     h = harness(vllm_env, BatchSpec([2000], [1]), isa=isa, K=1, L=64, segment_tokens=256, num_blocks=None)
-    h.step()  # the prompt's segment: tokens [4, 1792)
+    h.step()  # the prompt's segment: tokens [4, 1920), its last full block before the local window
     h.keys[0] = torch.cat([h.keys[0], (torch.randn(560, HKV, D, generator=h.gen) + h.offset).bfloat16()])
     h.values[0] = torch.cat([h.values[0], torch.randn(560, HKV, D, generator=h.gen).bfloat16()])
     h.block_table = torch.cat([h.block_table, torch.zeros(1, 4, dtype=torch.int32)], dim=1)
     free = sorted(set(range(h.cache.shape[0])) - set(h.block_table[0, :16].tolist()))
     h.block_table[0, 16:20] = torch.tensor(free[:4], dtype=torch.int32)
     h.write(0, 2000, 2559)
-    for seq, built, merged in ((2300, 2, 0), (2560, 3, 1)):  # covered to 2048 (a new segment), then 2304 (merge)
+    for seq, built, merged in ((2300, 2, 0), (2560, 3, 1)):  # covered to 2176 (a new segment), then 2432 (merge)
         h.spec = BatchSpec([seq], [1])
         out, ref, _ = h.step()
         st = h.stats()["index"]
         assert st["segments_built"] == built and st.get("segments_merged", 0) == merged, st
         assert rel_err(out[0], ref[0]) < 2e-2
-    assert st["tokens_indexed"] == (1792 - 4) + 256 + 256, st  # the prompt once, then only new tokens
+    assert st["tokens_indexed"] == (1920 - 4) + 256 + 256, st  # the prompt once, then only new tokens
     assert st["segments_live"] == 2, st  # the prompt's segment and the grown one (its base dropped)
 
 

@@ -176,6 +176,56 @@ def test_warm_up_waits_while_the_index_is_building_or_deferred():
     assert not e2e_decode._waiting(st(), st())
 
 
+class DeferringEngine:
+    """A fake MAGICPIG engine: its prompts' index is deferred for ``defer_steps`` decode steps (the
+    cost model's ski-rental), then built on the background thread over ``build_steps`` steps and
+    installed at the start of the next run."""
+
+    def __init__(self, defer_steps: int, build_steps: int) -> None:
+        self.defer_steps, self.build_steps = defer_steps, build_steps
+        self.steps = self.deferred = self.jobs = self.installed = 0
+        self.built_at = None  # the step the build finishes
+        self.tokens = []
+
+    def run(self, tokens: int) -> None:
+        self.tokens.append(tokens)
+        if self.built_at is not None and self.steps >= self.built_at:
+            self.installed = 1
+        for _ in range(tokens - 1):  # the first token is the prompt's recompute
+            self.steps += 1
+            if self.jobs == 0 and self.steps <= self.defer_steps:
+                self.deferred += 1
+            elif self.jobs == 0:
+                self.jobs, self.built_at = 1, self.steps + self.build_steps
+
+    def stats(self) -> dict:
+        return {"decode_exact": {"index_deferred": self.deferred} if self.deferred else {},
+                "index": {"background_jobs": self.jobs, "background_installed": self.installed},
+                "build_seconds": 0.0}
+
+
+@pytest.mark.parametrize("defer_steps", [0, 420, 5000])
+def test_warm_up_runs_until_the_deferred_index_is_built_and_installed(monkeypatch, defer_steps):
+    """A build the cost model defers for 420 steps, then ~13 s (~65 steps) long (8K batch 4 on an AMX
+    machine, where a 448-step warm-up left it inside the timed runs) is installed within the
+    warm-up; one deferred past ``MAX_WARM_STEPS`` stops the warm-up at the cap (that row is then
+    served exactly)."""
+    engine = DeferringEngine(defer_steps, build_steps=65)
+    monkeypatch.setattr(e2e_decode, "_stats", lambda llm: engine.stats())
+    monkeypatch.setattr(e2e_decode, "_timed_generate", lambda llm, prompts, tokens: engine.run(tokens) or 1.0)
+    llm = SimpleNamespace(collective_rpc=lambda name: None)
+    _, runs, _ = e2e_decode.warm_up(llm, ["p"])
+    assert runs == len(engine.tokens)
+    if defer_steps < e2e_decode.MAX_WARM_STEPS:
+        assert engine.installed == 1  # the index was in place before the timed runs
+        before = engine.stats()
+        engine.run(e2e_decode.SHORT_TOKENS)
+        assert not e2e_decode._waiting(before, engine.stats())
+    else:
+        assert engine.installed == 0 and engine.steps >= e2e_decode.MAX_WARM_STEPS
+        assert engine.steps < e2e_decode.MAX_WARM_STEPS + e2e_decode.WARM_TOKENS
+
+
 def test_schedulers_are_pinned_off_the_workers_cores(monkeypatch):
     psutil = pytest.importorskip("psutil")
 

@@ -160,7 +160,8 @@ def test_blocks_in_flight_stay_in_the_exact_tail_until_their_copy_completes():
     planner.observe_step(FakeCam(seq, table, slot_mapping=decode_slot), 1)
     plan = planner.plan(FakeCam(seq, table, slot_mapping=decode_slot), 1, st)
     assert plan.sparse == [0]
-    assert plan.covered_range(0) == (BS, ((700 - 32) // 64) * 64)  # what the CPU platform covers
+    # what the CPU platform covers: the prompt to its last full block before the local window
+    assert plan.covered_range(0) == (BS, ((700 - 32) // BS) * BS)
 
 
 def test_a_request_on_unmirrored_blocks_gets_them_copied():
@@ -181,7 +182,7 @@ def test_a_request_on_unmirrored_blocks_gets_them_copied():
     plan = planner.plan(FakeCam(seq, table, slot_mapping=slot), 1, st)
     assert plan.exact_reason == {0: "not_mirrored"}
     mirror.copy_layer(LAYERS[0], kv)
-    assert mirror.stats.index["blocks_mirrored"] == (500 - 32) // 64 * 64 // BS
+    assert mirror.stats.index["blocks_mirrored"] == (500 - 32) // BS  # the blocks before the local window
     planner.observe_step(FakeCam(seq, table, slot_mapping=slot), 1)
     assert planner.plan(FakeCam(seq, table, slot_mapping=slot), 1, st).sparse == [0]
 
@@ -226,7 +227,7 @@ def test_split_decode_through_the_mirror_equals_the_device_gather(staging_mb):
             assert misses == (0 if staging_mb else 2), rt.stats.index  # one per segment built
             if staging_mb:
                 # the two prompts' covered blocks were built and released; the prompt tails stay staged
-                tail_blocks = sum(-(-(s - 1) // BS) - 1 - (s - 32) // 64 * 64 // BS for s in lens)
+                tail_blocks = sum(-(-(s - 1) // BS) - 1 - (s - 32) // BS for s in lens)
                 assert rt.mirror.staged_bytes == tail_blocks * 2 * BS * HKV * D * 2
     assert torch.equal(outs[0], outs[1])
 
