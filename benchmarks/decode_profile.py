@@ -73,7 +73,7 @@ class _Cam:  # the fields of vLLM's CommonAttentionMetadata that StepPlanner.pla
         self.block_table_tensor = bt
 
 
-def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 0):
+def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 0, fresh: bool = False):
     from vllm import _custom_ops as ops
 
     gen = torch.Generator().manual_seed(ctx + batch)
@@ -130,7 +130,10 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
     build_ms = (time.perf_counter() - t0) * 1e3
 
     if cold:
-        return run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers)
+        # fresh: each turn's query a new draw (in place: the layer closures read this tensor)
+        new_query = (lambda: q.copy_((torch.randn(batch, H, D, generator=gen) - 0.5 * off.repeat_interleave(G, 0))
+                                     .bfloat16())) if fresh else None
+        return run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query)
     t_exact = med(exact)
     t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
     t_layer = med(layer_step)
@@ -166,7 +169,7 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
                 sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm)
 
 
-def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers):
+def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query=None):
     """The layer as an engine meets it: copies of it (own cache, own index) called in turn, so
     between two calls of one the others have read 3x the L3 (kernel_bench's cold), against
     vLLM's kernel over copies of the cache in turn. Per-layer milliseconds of a whole turn."""
@@ -190,8 +193,25 @@ def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, 
         for step in steps:
             step()
 
+    if new_query is not None:  # a new query a turn, drawn outside the timed turn
+        def timed_turns(fn, reps):
+            for _ in range(2):
+                new_query()
+                fn()
+            ts = []
+            for _ in range(reps):
+                new_query()
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            return sorted(ts)[len(ts) // 2] * 1e3
+    else:
+        timed_turns = med
+
     reps = max(5, 60 // n)
-    t_exact, t_layer = med(exact_turn, reps) / n, med(layer_turn, reps) / n
+    t_exact, t_layer = timed_turns(exact_turn, reps) / n, timed_turns(layer_turn, reps) / n
+    if new_query is not None:
+        new_query()
     with kernel.profiling() as phase_s:  # the kernel's phase timers (thread-seconds), one turn more
         layer_turn()
     phases = " ".join(f"{k} {v / n * 1e3:.3f}" for k, v in phase_s.items())
@@ -210,18 +230,22 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=0,
                     help="with --cold: this many copies (an engine's sparse layers, 28 for SmolLM2) instead of "
                          "enough to hold 3x the L3")
+    ap.add_argument("--fresh-queries", action="store_true",
+                    help="with --cold: a new query every turn, so each turn samples other rows, as an engine's "
+                         "steps do (the same query every turn leaves a layer's sampled rows in the L3)")
     ap.add_argument("--tree", type=Path, default=None, help="another built checkout to time (module docs)")
     a = ap.parse_args(argv)
     print(f"threads={torch.get_num_threads()} isa={kernel.active_isa()} vLLM cache layout={ISA} K={a.K} L={a.L} "
           f"tree={TREE}")
     if a.cold:
-        print("Cold: copies of the layer called in turn; ms per layer call")
+        print("Cold: copies of the layer called in turn; ms per layer call"
+              + ("; a new query every turn" if a.fresh_queries else "; the same query every turn"))
         print("| context | batch | layer copies | vLLM exact ms cold | MAGICPIG layer ms cold | ratio | "
               "index build ms | kernel phases, thread-ms per layer |")
         print("|---|---|---|---|---|---|---|---|")
         for ctx in [int(x) for x in a.contexts.split(",")]:
             for b in [int(x) for x in a.batches.split(",")]:
-                r = run(ctx, b, a.K, a.L, cold=True, layers=a.layers)
+                r = run(ctx, b, a.K, a.L, cold=True, layers=a.layers, fresh=a.fresh_queries)
                 print(f"| {ctx} | {b} | {r['layers']} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
                       f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['build_ms']:.0f} | {r['phases']} |",
                       flush=True)

@@ -8,6 +8,9 @@ segments the background thread built.
 """
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -85,6 +88,51 @@ def test_the_background_thread_builds_and_the_engine_thread_installs(vllm_env): 
     out, ref, meta = h.step()
     assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
     assert rel_err(out[0], ref[0]) < 2e-2
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _wait_for(cond, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_the_background_thread_and_its_openmp_pool_exit_when_its_queue_drains(vllm_env):  # noqa: F811
+    """libgomp stops spin-waiting in every team of the process once the threads of its pools outnumber
+    the cores, and a pool lives as long as the thread that started it: the indexer's thread must not
+    outlive its jobs (background_index._loop). A later prompt starts a new one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        h = _prefilled(vllm_env, [3000], inline=False)
+        torch.randn(1 << 20).exp()  # the engine thread's own 2-thread team exists before the count
+        before = _os_threads()
+        _, _, meta = h.step()
+        assert meta.sparse_plan.exact_reason == {0: "indexing"}
+        assert h.runtime.indexer.wait_idle(timeout=120)
+        assert _wait_for(lambda: not h.runtime.indexer.thread_alive())
+        assert _wait_for(lambda: _os_threads() <= before), (_os_threads(), before)
+        _, _, meta = h.step()
+        assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
+        # a new prompt in the same blocks: indexed by a new thread, which exits in turn
+        h.keys[0] = (torch.randn(3000, HKV, D, generator=h.gen) - h.offset).bfloat16()
+        h.values[0] = torch.randn(3000, HKV, D, generator=h.gen).bfloat16()
+        h.spec = BatchSpec([3000], [3000])
+        h.step()
+        h.spec = BatchSpec([3000], [1])
+        _, _, meta = h.step()
+        assert meta.sparse_plan.exact_reason == {0: "indexing"}
+        assert h.runtime.indexer.wait_idle(timeout=120)
+        out, ref, meta = h.step()
+        assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 2
+        assert rel_err(out[0], ref[0]) < 2e-2
+        assert _wait_for(lambda: _os_threads() <= before), (_os_threads(), before)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_budget_mode_builds_at_the_first_decode(vllm_env):  # noqa: F811

@@ -85,7 +85,10 @@ class BackgroundIndexer:
         self._installed: OrderedDict[int, None] = OrderedDict()
         self._done: queue.Queue[IndexJob] = queue.Queue()
         self._todo: queue.Queue[IndexJob | None] = queue.Queue()
+        # The running thread, or None; set and cleared under _lock with the queue checked, so a job
+        # put there always finds a thread (_submit, _loop).
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         self.layers: dict[str, tuple[LayerContext, KVViews]] = {}  # sparse layers seen, and their cache views
 
     # ------------------------------------------------------------------ engine thread
@@ -122,8 +125,7 @@ class BackgroundIndexer:
             _run(job, self.ops, self._build)
             self._done.put(job)
         else:
-            self._start()
-            self._todo.put(job)
+            self._submit(job)
         return False
 
     def install_finished(self) -> None:
@@ -177,20 +179,38 @@ class BackgroundIndexer:
         return len(self._pending) > self._done.qsize()
 
     # ------------------------------------------------------------------ background thread
-    def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            # daemon: a worker shutting down does not wait for a build nobody will read
-            self._thread = threading.Thread(target=self._loop, name="magicpig-index", daemon=True)
-            self._thread.start()
+    def _submit(self, job: IndexJob) -> None:
+        with self._lock:
+            self._todo.put(job)
+            if self._thread is None:
+                # daemon: a worker shutting down does not wait for a build nobody will read
+                self._thread = threading.Thread(target=self._loop, name="magicpig-index", daemon=True)
+                self._thread.start()
 
     def _loop(self) -> None:
+        # The thread exits as soon as the queue is empty, and with it the OpenMP pool its builds
+        # started. A pool outlives its jobs while its thread lives, and libgomp counts every pool's
+        # threads: once they outnumber the cores, every team in the process stops spinning between
+        # parallel regions (GOMP's throttled spin count) and sleeps on a futex instead. On a worker
+        # given every core (2 OpenMP threads on 2 cores), one finished 2-thread build left each
+        # later torch op waking a sleeping thread: ~39K context switches in 71 decode steps at 16K
+        # tokens, the engine's own ops up to 9x slower, the decode 0.95x CPU_ATTN instead of 1.16x
+        # (results/threads_all_indexer_pool.md).
         while True:
-            job = self._todo.get()
-            if job is None:
-                return
+            with self._lock:
+                try:
+                    job = self._todo.get_nowait()
+                except queue.Empty:
+                    self._thread = None
+                    return
             torch.set_num_threads(job.threads)  # the worker's thread count, in this thread's OpenMP too
             _run(job, self.ops, self._build)
             self._done.put(job)
+
+    def thread_alive(self) -> bool:
+        """Whether the background thread is running (it exits when its queue is empty)."""
+        with self._lock:
+            return self._thread is not None
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until every submitted job has finished (tests, and shutdown-free benchmarks)."""
