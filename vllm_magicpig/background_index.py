@@ -193,9 +193,11 @@ class BackgroundIndexer:
         # threads: once they outnumber the cores, every team in the process stops spinning between
         # parallel regions (GOMP's throttled spin count) and sleeps on a futex instead. On a worker
         # given every core (2 OpenMP threads on 2 cores), one finished 2-thread build left each
-        # later torch op waking a sleeping thread: ~39K context switches in 71 decode steps at 16K
-        # tokens, the engine's own ops up to 9x slower, the decode 0.95x CPU_ATTN instead of 1.16x
-        # (results/threads_all_indexer_pool.md).
+        # later torch op waking a sleeping thread: MAGICPIG's floor (64-token prompts, all exact)
+        # took 43.0 ms a step against CPU_ATTN's 28.5, and its 16K decodes ran 0.86x / 0.93x CPU_ATTN
+        # at batch 1 / 4; with the thread exiting, 28.8 ms and 1.18x / 1.46x (benchmarks/results/
+        # e2e_decode_amx_threads_all_before.md, e2e_decode_amx_threads_all.md; worker_profile.py
+        # counts the context switches).
         while True:
             with self._lock:
                 try:
