@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_magicpig import device_ops, kernel  # noqa: E402
 from vllm_magicpig.kv_layout import CpuVecLayout, FlashLayout, KVViews, gather  # noqa: E402
 
-# The plugin's defaults (config.py): paper LSH budget, local window, indexing step, largest segment.
-K_BITS, L_TABLES, SINK_TOKENS, LOCAL_WINDOW, SEGMENT_UNIT = 10, 150, 4, 64, 512
+# The plugin's defaults (config.py): paper LSH budget, sinks, local window; the largest segment. No
+# indexing step (segment_tokens): the check plans first decodes only, covered to the prompt's last full block.
+K_BITS, L_TABLES, SINK_TOKENS, LOCAL_WINDOW = 10, 150, 4, 64
 MAX_SEG = kernel.MAX_SEGMENT_TOKENS
 BLOCK = 16  # vLLM's default CUDA block size (FLASH_ATTN takes multiples of 16)
 SEED = 0
@@ -852,7 +853,7 @@ def main(argv=None) -> int:
     cfg = make_config(args.small)
     run = Run(dev, args.small)
     run.results["config"] = dict(cfg, K=K_BITS, L=L_TABLES, block_size=BLOCK, sink_tokens=SINK_TOKENS,
-                                 local_window=LOCAL_WINDOW, segment_unit=SEGMENT_UNIT)
+                                 local_window=LOCAL_WINDOW)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU, no GPU used"
     run.line(f"# Device check: device {dev.type} ({name})")
     run.line("")
