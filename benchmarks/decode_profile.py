@@ -62,9 +62,9 @@ def split_kv(cache):
     return cache.view(cache.shape[0], HKV, 2 * BS, D).chunk(2, dim=2)
 
 
-def med(fn, reps=30):
-    """Median milliseconds of ``fn`` (the kernel benchmark's timer)."""
-    return timeit(fn, reps, warmup=3) * 1e3
+def med(fn, reps=30, before=None):
+    """Median milliseconds of ``fn`` (the kernel benchmark's timer; ``before`` runs untimed ahead of each call)."""
+    return timeit(fn, reps, warmup=3, before=before) * 1e3
 
 
 class _Cam:  # the fields of vLLM's CommonAttentionMetadata that StepPlanner.plan reads
@@ -193,23 +193,9 @@ def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, 
         for step in steps:
             step()
 
-    if new_query is not None:  # a new query a turn, drawn outside the timed turn
-        def timed_turns(fn, reps):
-            for _ in range(2):
-                new_query()
-                fn()
-            ts = []
-            for _ in range(reps):
-                new_query()
-                t = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t)
-            return sorted(ts)[len(ts) // 2] * 1e3
-    else:
-        timed_turns = med
-
     reps = max(5, 60 // n)
-    t_exact, t_layer = timed_turns(exact_turn, reps) / n, timed_turns(layer_turn, reps) / n
+    # with new_query, a new query a turn, drawn outside the timed turn
+    t_exact, t_layer = med(exact_turn, reps, new_query) / n, med(layer_turn, reps, new_query) / n
     if new_query is not None:
         new_query()
     with kernel.profiling() as phase_s:  # the kernel's phase timers (thread-seconds), one turn more

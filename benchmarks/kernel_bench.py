@@ -50,15 +50,18 @@ CONFIGS = ((64, 3, 3), (128, 8, 4))  # (head_dim, KV heads, query heads per KV h
 COLD_BYTES = 96 * 2**20  # 3x this machine's 32 MiB L3: what the other layers of a cold run hold
 
 
-def timeit(fn, reps, warmup=2):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
+def timeit(fn, reps, warmup=2, before=None):
+    """Median seconds of a call of ``fn``; ``before()``, if given, runs ahead of every call, untimed."""
+    def once():
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+        return time.perf_counter() - t
+
+    for _ in range(warmup):
+        once()
+    return statistics.median([once() for _ in range(reps)])
 
 
 def cold_layers(layer_bytes: int) -> int:

@@ -15,7 +15,7 @@ times; native calls (vLLM's ops, MAGICPIG's kernel) are timed as they run.
 The table puts the calls whose time moved most between the backends side by side, per decode step.
 A backend that makes the engine's own ops slower shows there: it found a background indexer whose
 finished OpenMP pool made libgomp stop spin-waiting in every team of the worker (results/
-worker_profile_threads_all.md).
+worker_profile_16k_all_before.md, against worker_profile_16k_all.md after the fix).
 """
 from __future__ import annotations
 

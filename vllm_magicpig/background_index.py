@@ -84,7 +84,7 @@ class BackgroundIndexer:
         # (also when the cap refused it: then they serve it as ``evicted``). Least recent dropped.
         self._installed: OrderedDict[int, None] = OrderedDict()
         self._done: queue.Queue[IndexJob] = queue.Queue()
-        self._todo: queue.Queue[IndexJob | None] = queue.Queue()
+        self._todo: queue.Queue[IndexJob] = queue.Queue()
         # The running thread, or None; set and cleared under _lock with the queue checked, so a job
         # put there always finds a thread (_submit, _loop).
         self._thread: threading.Thread | None = None
