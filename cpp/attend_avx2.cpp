@@ -176,7 +176,7 @@ MP_AVX2 void attend_avx2(const AttnArgs& args, const Rows& rows, const Heads& he
   scratch.scores.resize(rows.off[G]);
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
-  PhaseTimer pt;
+  PhaseTimer pt(rows.seg);  // a dense unit is timed whole (sparse_decode.cpp)
   if (!rows.scores_ready) qk_avx2(args, rows, heads, scratch);
 
   // Logits (scale*q.k, minus log(u + 1e-4) for sampled keys), then softmax weights, per head over

@@ -109,7 +109,7 @@ MP_AVX512 void attend_avx512(const AttnArgs& args, const Rows& rows, const Heads
   scratch.scores.resize(rows.off[G] + 1);
   scratch.norms.resize(rows.off[G]);
   scratch.row_f32.resize(d);
-  PhaseTimer pt;
+  PhaseTimer pt(rows.seg);  // a dense unit is timed whole (sparse_decode.cpp)
   if (rows.scores_ready) {
     // q.k of a dense tile came from dense_scores_avx2
   } else if (isa == Isa::Avx512Bf16 && !rows.kv8) {  // the bf16 dot reads 16-bit rows in place

@@ -93,7 +93,7 @@ void attend_scalar(const AttnArgs& args, const Rows& rows, const Heads& heads, S
   float* row = scratch.row_f32.data();
   float* sc = scratch.scores.data();
   float* nm = scratch.norms.data();
-  PhaseTimer pt;
+  PhaseTimer pt(rows.seg);  // a dense unit is timed whole (sparse_decode.cpp)
 
   // q.k for every (row, head) the mask asks for, into the head's next compact entry, with the
   // row's |k - c| beside it for segments.

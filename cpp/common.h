@@ -329,9 +329,21 @@ struct AttnArgs {
 int64_t sparse_decode(const AttnArgs& args);
 
 // ---- phase timers (sparse_decode.cpp) ----
-// Optional, for the benchmark's breakdown: nanoseconds summed over threads per phase.
-enum Phase : int { kPhaseLookup, kPhaseGatherLogits, kPhaseSoftmaxV, kPhaseMerge, kNumPhases };
-inline constexpr const char* kPhaseNames[kNumPhases] = {"lookup", "gather_logits", "softmax_v", "merge"};
+// Optional, for the benchmark's breakdown: nanoseconds summed over threads per phase.  A segment
+// unit's time goes to lookup, gather_logits and softmax_v; a dense unit's (sinks, window and the
+// not yet indexed tail) to dense as a whole; the queries' hashing and q . c to queries.  Together
+// with merge they cover the call but for the unit list's set-up.
+enum Phase : int {
+  kPhaseQueries,
+  kPhaseLookup,
+  kPhaseGatherLogits,
+  kPhaseSoftmaxV,
+  kPhaseDense,
+  kPhaseMerge,
+  kNumPhases
+};
+inline constexpr const char* kPhaseNames[kNumPhases] = {"queries",   "lookup", "gather_logits",
+                                                        "softmax_v", "dense",  "merge"};
 extern std::atomic<bool> g_profile;
 extern std::atomic<int64_t> g_prof[kNumPhases];
 // The team size of the unit loop of the last sparse_decode with any unit (0 before one); for tests.

@@ -100,7 +100,9 @@ int64_t sparse_decode(const AttnArgs& in) {
   static thread_local std::vector<int32_t> tls_qcodes;
   static thread_local std::vector<float> tls_qdc;
   if (args.qcodes == nullptr) {
+    PhaseTimer pt;
     prepare_queries(args, team_size(args.num_threads), tls_qcodes, tls_qdc);
+    pt.tick(kPhaseQueries);
     args.qcodes = tls_qcodes.data();
     args.qdc = tls_qdc.data();
   }
@@ -186,10 +188,10 @@ int64_t sparse_decode(const AttnArgs& in) {
     const int ui = order[oi];
     const Unit& unit = units[ui];
     Scratch& scratch = tls_scratch;
+    PhaseTimer pt;
     const Heads heads = load_heads(args, unit, isa, scratch);
     const size_t slot = static_cast<size_t>(ui) * MAXG;
     Rows rows{};
-    PhaseTimer pt;
     if (unit.seg) {
       int counts[MAXG];
       retrieve(args, unit, isa, scratch, counts);
@@ -240,20 +242,17 @@ int64_t sparse_decode(const AttnArgs& in) {
       rows.mask = scratch.rmask.data();  // idx and knorm stay null: rows are the tile, in order
       std::fill_n(part_count + slot, unit.G, int64_t{0});
       for (int g = 0; g <= unit.G; ++g) rows.off[g] = g * rows.n;
-      pt.tick(kPhaseGatherLogits);
     }
     const Partial part{part_max + slot, part_sum + slot, part_acc + slot * args.d};
 #if defined(__x86_64__)
-    if (isa >= Isa::Avx512) {
+    if (isa >= Isa::Avx512)
       attend_avx512(args, rows, heads, scratch, part, neg_log_u_table, isa);
-      continue;
-    }
-    if (isa == Isa::Avx2) {
+    else if (isa == Isa::Avx2)
       attend_avx2(args, rows, heads, scratch, part, neg_log_u_table);
-      continue;
-    }
+    else
 #endif
-    attend_scalar(args, rows, heads, scratch, part, neg_log_u_table);
+      attend_scalar(args, rows, heads, scratch, part, neg_log_u_table);
+    if (!unit.seg) pt.tick(kPhaseDense);  // a segment unit's attention ticked its own phases
   }
 
   // LSE merge of the partials of each query head.

@@ -711,11 +711,19 @@ def test_profiling_reports_phases():
     c = Case(gen, [900], 2, 4, 64, 8, 40)
     with kx.profiling() as idle:
         pass
-    assert idle == dict.fromkeys(("lookup", "gather_logits", "softmax_v", "merge"), 0.0), f"timers not reset: {idle}"
+    phases = ("queries", "lookup", "gather_logits", "softmax_v", "dense", "merge")
+    assert idle == dict.fromkeys(phases, 0.0), f"timers not reset: {idle}"
     with kx.profiling() as busy:
         c.run(False)
     assert set(busy) == set(idle) and all(v >= 0 for v in busy.values()), busy
-    assert busy["lookup"] > 0 and busy["softmax_v"] > 0, f"a segment and dense tokens were attended: {busy}"
+    assert all(busy[p] > 0 for p in ("lookup", "softmax_v", "dense")), f"a segment and dense tokens ran: {busy}"
+    # Case hashes its queries outside the call (codes given), so the call's own hashing never ran
+    assert busy["queries"] == 0, busy
+    with kx.profiling() as one_call:  # queries hashed inside the call
+        kx.magicpig_decode_attention(c.query, c.W, list(c.centres), c.segs, c.kview, c.vview, block_table=c.bt,
+                                     dense_ranges=c.dense_ranges, scale=c.scale, K=c.K, L=c.L,
+                                     out=torch.empty_like(c.query))
+    assert one_call["queries"] > 0 and one_call["lookup"] > 0, one_call
 
 
 def test_active_isa_reported():

@@ -80,9 +80,11 @@ def set_huge_pool_limit(limit_bytes: int) -> None:
 def profiling() -> Iterator[dict[str, float]]:
     """Time the kernel's phases for the calls made inside the block.
 
-    Yields a dict that is filled on exit with seconds per phase ("lookup", "gather_logits",
-    "softmax_v", "merge"), summed over threads.  The timers are process-wide: calls made by other
-    threads meanwhile are counted too, and blocks must not nest.
+    Yields a dict that is filled on exit with seconds per phase, summed over threads: "queries"
+    (hashing the queries, q . c), then per segment "lookup", "gather_logits" (the sampled rows' q.k
+    and logits) and "softmax_v", "dense" (the exactly attended tokens, whole), and "merge".  The
+    timers are process-wide: calls made by other threads meanwhile are counted too, and blocks must
+    not nest.
     """
     times: dict[str, float] = {}
     _C.set_profiling(True)
