@@ -11,7 +11,9 @@ Python overhead or kernel time. "hash ms" times ``kernel.hash_codes`` of the sam
 alone, for scale: the call does that hashing inside. "Its exact part alone" is the same call
 with the sinks and the tail only (no segments), beside vLLM's kernel over as many tokens. Keys are
 synthetic (a common offset, as real models have, plus noise); the sampled fraction
-is printed next to every time.
+is printed next to every time. "Bucket ids walked" counts what the lookup reads (one collision
+update each), so its phase time over that count is its cost per id; the call's phases are the
+kernel's timers (``kernel.profiling``).
 
 ``--cold`` times the layer as an engine meets it: copies of it, each with its own cache and
 index, called in turn (by default enough copies to hold 3x the L3, as kernel_bench's cold;
@@ -149,6 +151,13 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
         q, proj, centres, segs, kv.key, kv.value, block_table=bt, dense_ranges=plan.dense_ranges,
         scale=layer.ctx.scale, K=K, L=L, out=out, sampled_counts=cnt, check_values=False))  # as ops calls it
     frac = cnt.double().sum().item() / (sum(plan.covered.values()) * H)
+    with kernel.profiling() as phase_s:  # the call's phase timers (thread-seconds), over 10 calls
+        for _ in range(10):
+            kernel.magicpig_decode_attention(q, proj, centres, segs, kv.key, kv.value, block_table=bt,
+                                             dense_ranges=plan.dense_ranges, scale=layer.ctx.scale, K=K, L=L,
+                                             out=out, check_values=False)
+    phases = " ".join(f"{k} {v / 10 * 1e3:.3f}" for k, v in phase_s.items())
+    ids = bucket_ids_walked(q, proj, segs, K, L) / batch
     # The exact part of the same decode alone (sinks and tail, no segments), beside vLLM's kernel
     # over as many tokens per request: what an exact token costs in each.
     tail = int((plan.dense_ranges[:, :, 1] - plan.dense_ranges[:, :, 0]).sum(-1).max())
@@ -166,7 +175,24 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
         s_aux=None))
     return dict(context=ctx, batch=batch, exact_ms=t_exact, magicpig_layer_ms=t_layer, plan_ms=t_plan,
                 hash_ms=t_hash, kernel_call_ms=t_kernel_wrapped, python_ms=t_layer - t_kernel_wrapped,
-                sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm)
+                sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm,
+                phases=phases, ids_walked=ids)
+
+
+def bucket_ids_walked(q, proj, segs, K, L) -> int:
+    """Token ids the lookup reads: over every request, query head, segment and table, the size of
+    the bucket the head's code names (each id one update of a collision count). Recomputed from the
+    codes, for scale: the lookup's time over this is its cost per id."""
+    R, H, D = q.shape
+    qc = kernel.hash_codes(q.reshape(-1, D), proj, K, L).view(R, H, L)
+    total = 0
+    for r in range(R):
+        for seg in segs[r]:
+            codes = seg.codes()  # [Hkv, L, n]
+            g = H // codes.shape[0]
+            for h in range(H):
+                total += int((codes[h // g] == qc[r, h].view(L, 1)).sum())
+    return total
 
 
 def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query=None):
@@ -238,15 +264,17 @@ def main(argv=None):
         return
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
           "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
-          "exact tokens a request | its exact part alone ms (vLLM's kernel, as many tokens) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "exact tokens a request | its exact part alone ms (vLLM's kernel, as many tokens) | "
+          "bucket ids walked a request | the call's phases, thread-ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for ctx in [int(x) for x in a.contexts.split(",")]:
         for b in [int(x) for x in a.batches.split(",")]:
             r = run(ctx, b, a.K, a.L)
             print(f"| {ctx} | {b} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
                   f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['plan_ms']:.3f} | {r['hash_ms']:.3f} | "
                   f"{r['kernel_call_ms']:.3f} | {r['python_ms']:.3f} | {r['sampled']:.2%} | {r['build_ms']:.0f} | "
-                  f"{r['tail_tokens']} | {r['tail_ms']:.3f} ({r['tail_vllm_ms']:.3f}) |", flush=True)
+                  f"{r['tail_tokens']} | {r['tail_ms']:.3f} ({r['tail_vllm_ms']:.3f}) | {r['ids_walked']:.0f} | "
+                  f"{r['phases']} |", flush=True)
 
 
 if __name__ == "__main__":

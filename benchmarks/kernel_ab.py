@@ -13,7 +13,9 @@ them alike.
 
 Printed per size: the median over rounds of each tree's cold call (ms, the median of 60 calls of the
 layer copies in turn, as kernel_bench's cold time) and of its phases (thread-ms per call, from the
-kernel's profiling counters: lookup, gather_logits = q.k and logits, softmax_v), their range, and
+kernel's profiling counters: lookup, gather_logits = q.k and logits, softmax_v; since dcf228b these
+count segment units only, a dense unit having its own "dense" timer, so compare phases only between
+trees on the same side of that commit), their range, and
 the median of the per-round ratios to the first tree, which cancels the drift that a ratio of
 medians would keep.  The output sum of the last call shows the trees computed the same thing.
 """
