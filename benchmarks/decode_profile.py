@@ -147,16 +147,17 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
     segs = [[rt.index.get_segment(owner, ref.key) for ref in plan.segments[r]] for r in range(batch)]
     centres = [rt.index.centre(layer.ctx.name, plan.centres[r], None) for r in range(batch)]
     cnt = torch.zeros(batch, H, dtype=torch.int64)
-    t_kernel_wrapped = med(lambda: kernel.magicpig_decode_attention(
-        q, proj, centres, segs, kv.key, kv.value, block_table=bt, dense_ranges=plan.dense_ranges,
-        scale=layer.ctx.scale, K=K, L=L, out=out, sampled_counts=cnt, check_values=False))  # as ops calls it
+    def one_call():  # as ops calls it
+        kernel.magicpig_decode_attention(q, proj, centres, segs, kv.key, kv.value, block_table=bt,
+                                         dense_ranges=plan.dense_ranges, scale=layer.ctx.scale, K=K, L=L, out=out,
+                                         sampled_counts=cnt, check_values=False)
+
+    t_kernel_wrapped = med(one_call)
     frac = cnt.double().sum().item() / (sum(plan.covered.values()) * H)
     with kernel.profiling() as phase_s:  # the call's phase timers (thread-seconds), over 10 calls
         for _ in range(10):
-            kernel.magicpig_decode_attention(q, proj, centres, segs, kv.key, kv.value, block_table=bt,
-                                             dense_ranges=plan.dense_ranges, scale=layer.ctx.scale, K=K, L=L,
-                                             out=out, check_values=False)
-    phases = " ".join(f"{k} {v / 10 * 1e3:.3f}" for k, v in phase_s.items())
+            one_call()
+    phases = phase_text(phase_s, 10)
     ids = bucket_ids_walked(q, proj, segs, K, L) / batch
     # The exact part of the same decode alone (sinks and tail, no segments), beside vLLM's kernel
     # over as many tokens per request: what an exact token costs in each.
@@ -177,6 +178,11 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
                 hash_ms=t_hash, kernel_call_ms=t_kernel_wrapped, python_ms=t_layer - t_kernel_wrapped,
                 sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm,
                 phases=phases, ids_walked=ids)
+
+
+def phase_text(phase_s: dict[str, float], calls: int) -> str:
+    """The kernel's phase timers (``kernel.profiling``'s seconds) as thread-ms a call."""
+    return " ".join(f"{k} {v / calls * 1e3:.3f}" for k, v in phase_s.items())
 
 
 def bucket_ids_walked(q, proj, segs, K, L) -> int:
@@ -226,7 +232,7 @@ def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, 
         new_query()
     with kernel.profiling() as phase_s:  # the kernel's phase timers (thread-seconds), one turn more
         layer_turn()
-    phases = " ".join(f"{k} {v / n * 1e3:.3f}" for k, v in phase_s.items())
+    phases = phase_text(phase_s, n)
     return dict(context=ctx, batch=batch, layers=n, exact_ms=t_exact, magicpig_layer_ms=t_layer, build_ms=build_ms,
                 phases=phases)
 

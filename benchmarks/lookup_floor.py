@@ -14,6 +14,7 @@ runs under vLLM's default binding.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -66,7 +67,7 @@ def main(argv=None):
     print(head)
     print(text)
     if a.out:
-        cmd = "python benchmarks/lookup_floor.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+        cmd = "python benchmarks/lookup_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(a.out + ".md").write_text(f"Command: `{cmd}`\n\n{head}\n\n{text}\n")
 
 

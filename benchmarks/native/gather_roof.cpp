@@ -5,7 +5,6 @@
 // prefetch a few rows ahead, on the same threads.  A sequential copy's bandwidth is not reachable
 // by such reads on a machine where each line is a DRAM round trip.
 #include <immintrin.h>
-#include <sys/mman.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -15,22 +14,9 @@
 #include <random>
 #include <vector>
 
-namespace {
+#include "huge_buffer.h"
 
-// A `buffer_mb` MiB buffer on 2 MiB pages, faulted in; unmapped when it goes.
-struct HugeBuffer {
-  size_t bytes, huge = size_t{2} << 20;
-  void* m;
-  char* buf;
-  explicit HugeBuffer(int64_t buffer_mb) : bytes(static_cast<size_t>(buffer_mb) << 20) {
-    m = mmap(nullptr, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(m != MAP_FAILED, "mmap failed");
-    buf = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + huge - 1) / huge * huge);
-    madvise(buf, bytes, MADV_HUGEPAGE);
-    std::memset(buf, 1, bytes);
-  }
-  ~HugeBuffer() { munmap(m, bytes + huge); }
-};
+namespace {
 
 std::vector<int64_t> random_indices(int64_t count, int64_t below) {
   std::vector<int64_t> idx(count);
@@ -61,7 +47,7 @@ double best_gbps(int64_t rows, int64_t bytes, int64_t threads, int64_t reps, Rea
 // GB/s of reading `rows` random rows of `row_bytes` (a multiple of 64) from a `buffer_mb` MiB
 // buffer on `threads` threads, `ahead` rows prefetched ahead; the best of `reps` passes.
 double gather_gbps(int64_t row_bytes, int64_t rows, int64_t buffer_mb, int64_t ahead, int64_t threads, int64_t reps) {
-  HugeBuffer hb(buffer_mb);
+  HugeBuffer hb(static_cast<size_t>(buffer_mb) << 20, 1);
   const char* buf = hb.buf;
   const std::vector<int64_t> idx = random_indices(rows, static_cast<int64_t>(hb.bytes) / row_bytes);
   return best_gbps(rows, row_bytes, threads, reps, [&](int64_t i) {
@@ -82,7 +68,7 @@ double gather_gbps(int64_t row_bytes, int64_t rows, int64_t buffer_mb, int64_t a
 // the kernel would reach reading sampled rows from the paged cache instead of keeping a copy.
 double paged_gather_gbps(int64_t d, int64_t block, int64_t rows, int64_t buffer_mb, int64_t ahead, int64_t threads,
                          int64_t reps) {
-  HugeBuffer hb(buffer_mb);
+  HugeBuffer hb(static_cast<size_t>(buffer_mb) << 20, 1);
   const char* buf = hb.buf;
   const int64_t region = 2 * block * d * 2;  // bytes of one (block, head) region
   const std::vector<int64_t> idx = random_indices(rows, static_cast<int64_t>(hb.bytes) / region * block);

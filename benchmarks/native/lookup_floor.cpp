@@ -7,7 +7,6 @@
 // pages and with the kernel's prefetch pipeline.  With `bounds_known` the buckets' bounds are read
 // before the clock starts, so only the ids are read at random: a layout whose code gives the ids'
 // address directly.  Each id updates a collision byte, as the kernel's does.
-#include <sys/mman.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -18,26 +17,9 @@
 #include <random>
 #include <vector>
 
-namespace {
+#include "huge_buffer.h"
 
-// `count` elements of T on 2 MiB pages, faulted in; unmapped when it goes.
-template <typename T>
-struct HugeArray {
-  size_t bytes;
-  void* m;
-  T* data;
-  explicit HugeArray(size_t count) {
-    const size_t huge = size_t{2} << 20;
-    bytes = (count * sizeof(T) + huge - 1) / huge * huge;
-    m = mmap(nullptr, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(m != MAP_FAILED, "mmap failed");
-    data = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(m) + huge - 1) / huge * huge);
-    madvise(data, bytes, MADV_HUGEPAGE);
-    std::memset(data, 0, bytes);
-  }
-  ~HugeArray() { munmap(m, bytes + huge_pad()); }
-  static size_t huge_pad() { return size_t{2} << 20; }
-};
+namespace {
 
 struct Bounds {
   int begin, end;
@@ -55,17 +37,20 @@ std::vector<double> walk(int64_t n, int64_t K, int64_t tables, int64_t kv_heads,
                   layers >= 1 && reps >= 1,
               "lookup_floor.walk: bad sizes");
   const int64_t B = int64_t{1} << K, T = kv_heads * tables;
-  HugeArray<uint16_t> ids(static_cast<size_t>(layers * T * n)), dir(static_cast<size_t>(layers * T * (B + 1)));
+  HugeBuffer id_buf(static_cast<size_t>(layers * T * n) * 2, 0),
+      dir_buf(static_cast<size_t>(layers * T * (B + 1)) * 2, 0);
+  uint16_t* const ids = reinterpret_cast<uint16_t*>(id_buf.buf);
+  uint16_t* const dir = reinterpret_cast<uint16_t*>(dir_buf.buf);
   std::mt19937_64 rng(seed);
   std::vector<uint32_t> code(n), count(B + 1);
   std::vector<int64_t> order(n);
   for (int64_t t = 0; t < layers * T; ++t) {  // a counting sort of random codes, ids ascending in a bucket
     std::fill(count.begin(), count.end(), 0);
     for (int64_t i = 0; i < n; ++i) ++count[(code[i] = static_cast<uint32_t>(rng() % B)) + 1];
-    uint16_t* d = dir.data + t * (B + 1);
+    uint16_t* d = dir + t * (B + 1);
     for (int64_t b = 0; b < B; ++b) count[b + 1] += count[b];
     for (int64_t b = 0; b <= B; ++b) d[b] = static_cast<uint16_t>(std::min<int64_t>(count[b], 65535));
-    for (int64_t i = 0; i < n; ++i) ids.data[t * n + count[code[i]]++] = static_cast<uint16_t>(i);
+    for (int64_t i = 0; i < n; ++i) ids[t * n + count[code[i]]++] = static_cast<uint16_t>(i);
   }
   const int64_t P = heads_per_kv * tables;  // (head, table) pairs of one KV head, in walk order
   std::vector<uint32_t> qcode(static_cast<size_t>(kv_heads * P));
@@ -78,8 +63,8 @@ std::vector<double> walk(int64_t n, int64_t K, int64_t tables, int64_t kv_heads,
     buckets = nids = 0;
     for (int64_t ly = 0; ly < layers; ++ly) {
       for (auto& c : qcode) c = static_cast<uint32_t>(rng() % B);
-      const uint16_t* lids = ids.data + ly * T * n;
-      const uint16_t* ldir = dir.data + ly * T * (B + 1);
+      const uint16_t* lids = ids + ly * T * n;
+      const uint16_t* ldir = dir + ly * T * (B + 1);
       auto entry = [&](int64_t h, int64_t s) {  // pair s of KV head h: its directory entry
         return ldir + (h * tables + s % tables) * (B + 1) + qcode[h * P + s];
       };
