@@ -68,10 +68,122 @@ void check_mirror(const char* fn, int mirror) {
 void check_segment(const char* fn, const Segment* s, int hkv, int d, int K, int L, int dtype) {
   require(s != nullptr, std::string(fn) + ": segment is None");
   require(s->hkv == hkv && s->d == d && s->K == K && s->L == L && s->dtype == dtype,
-          std::string(fn) + ": segment (hkv, d, K, L, dtype) = (" + num(s->hkv) + ", " + num(s->d) + ", " + num(s->K) +
-              ", " + num(s->L) + ", " + num(s->dtype) + ") does not match (" + num(hkv) + ", " + num(d) + ", " +
-              num(K) + ", " + num(L) + ", " + num(dtype) + ")");
+          std::string(fn) + ": a segment's (Hkv, D, K, L, dtype code) = (" + num(s->hkv) + ", " + num(s->d) + ", " +
+              num(s->K) + ", " + num(s->L) + ", " + num(s->dtype) + "), the call's (" + num(hkv) + ", " + num(d) +
+              ", " + num(K) + ", " + num(L) + ", " + num(dtype) + ")");
 }
+
+// The step-level half of a sparse_decode call (see DecodeStep's binding): the O(1) guards on the
+// integers it shares with every layer, checked once, and an AttnArgs with those fields filled in.
+class DecodeStep {
+ public:
+  DecodeStep(int R, int H, int hkv, int d, int K, int L, int L_read, int dtype, int q_dtype, uintptr_t w,
+             std::vector<int64_t> ks, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size,
+             uintptr_t ranges, int out_dtype, bool force_scalar, int num_threads) {
+    const char* fn = "sparse_decode";
+    require(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
+            std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
+    require(out_dtype == BF16 || out_dtype == FP32,
+            std::string(fn) + ": out_dtype must be 0 (bf16) or 2 (fp32), got " + num(out_dtype));
+    require(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
+    require(hkv >= 1 && H % hkv == 0,
+            std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
+    check_head_dim(fn, d);
+    check_kl(fn, K, L);
+    if (L_read == 0) L_read = L;
+    require(L_read >= 2 && L_read <= L,
+            std::string(fn) + ": L_read must be in 2..L (" + num(L) + ") or 0 for L, got " + num(L_read));
+    check_dtype(fn, dtype);
+    // 4 strides (block, slot, head, dim), or 8: those and the tiling (slot group, its stride, dim
+    // group, its stride) of a tiled cache (AttnArgs::CacheTiles).
+    require((ks.size() == 4 || ks.size() == 8) && vs.size() == ks.size(),
+            std::string(fn) + ": cache strides must have 4 or 8 entries, the same for K and V");
+    require(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
+    require(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
+    if (R > 0 && H > 0) check_ptr(fn, "ranges", ranges);  // the block table may be empty
+    a_.R = R;
+    a_.H = H;
+    a_.hkv = hkv;
+    a_.d = d;
+    a_.K = K;
+    a_.L = L;
+    a_.L_read = L_read;
+    a_.dtype = dtype;
+    a_.q_dtype = q_dtype;
+    a_.w = ptr<const float>(w);
+    for (int i = 0; i < 4; ++i) {
+      a_.ks[i] = ks[i];
+      a_.vs[i] = vs[i];
+    }
+    auto tiles = [&](const std::vector<int64_t>& s, const char* name) {
+      if (s.size() == 4) return AttnArgs::CacheTiles{block_size, 0, d, 0};
+      require(s[4] >= 1 && s[6] >= 1,
+              std::string(fn) + ": " + name + " tile sizes must be >= 1, got " + num(s[4]) + ", " + num(s[6]));
+      return AttnArgs::CacheTiles{s[4], s[5], s[6], s[7]};
+    };
+    a_.kt = tiles(ks, "ks");
+    a_.vt = tiles(vs, "vs");
+    a_.block_table = ptr<const int32_t>(bt);
+    a_.max_blocks = max_blocks;
+    a_.block_size = block_size;
+    a_.ranges = ptr<const int32_t>(ranges);
+    a_.out_dtype = out_dtype;
+    a_.force_scalar = force_scalar;
+    a_.num_threads = num_threads;
+  }
+
+  // Either the query codes and q . c are given, or the step's projection and a centre slot per
+  // request (0 for a request without segments) to compute them from.
+  int64_t run(float scale, uintptr_t q, uintptr_t qcodes, uintptr_t qdc, const std::vector<uintptr_t>& centres,
+              const std::vector<std::vector<std::shared_ptr<Segment>>>& segs, uintptr_t kc, uintptr_t vc, uintptr_t out,
+              uintptr_t lse, uintptr_t counts) const {
+    const char* fn = "sparse_decode";
+    const int R = a_.R;
+    require(segs.size() == static_cast<size_t>(R),
+            std::string(fn) + ": segs has " + num(segs.size()) + " entries for R=" + num(R) + " requests");
+    require((qcodes != 0) == (qdc != 0), std::string(fn) + ": qcodes and qdc are given together or not at all");
+    if (qcodes == 0) {
+      require(centres.size() == static_cast<size_t>(R),
+              std::string(fn) + ": centres has " + num(centres.size()) + " entries for R=" + num(R) + " requests");
+      if (R > 0 && a_.H > 0) check_ptr(fn, "w", reinterpret_cast<uintptr_t>(a_.w));
+      for (int r = 0; r < R; ++r)
+        require(centres[r] != 0 || segs[r].empty(),
+                std::string(fn) + ": request " + num(r) + " has segments but no centre");
+    }
+    if (R > 0 && a_.H > 0) {  // then these tensors are non-empty; the caches may be empty
+      check_ptr(fn, "q", q);
+      if (qcodes != 0) {
+        check_ptr(fn, "qcodes", qcodes);
+        check_ptr(fn, "qdc", qdc);
+      }
+      check_ptr(fn, "out", out);
+    }
+    std::vector<std::vector<SegmentPtr>> sg(segs.size());
+    for (size_t r = 0; r < segs.size(); ++r) {
+      for (const auto& s : segs[r]) check_segment(fn, s.get(), a_.hkv, a_.d, a_.K, a_.L, a_.dtype);
+      sg[r].assign(segs[r].begin(), segs[r].end());
+    }
+    AttnArgs a = a_;
+    a.scale = scale;
+    a.q = ptr<const void>(q);
+    a.qcodes = ptr<const int32_t>(qcodes);
+    a.qdc = ptr<const float>(qdc);
+    std::vector<const float*> cp(centres.size());
+    for (size_t r = 0; r < centres.size(); ++r) cp[r] = ptr<const float>(centres[r]);
+    a.centres = cp.data();
+    a.segs = &sg;
+    a.kc = ptr<const uint16_t>(kc);
+    a.vc = ptr<const uint16_t>(vc);
+    a.out = ptr<void>(out);
+    a.lse = ptr<float>(lse);
+    a.counts = ptr<int64_t>(counts);
+    py::gil_scoped_release nogil;
+    return sparse_decode(a);
+  }
+
+ private:
+  AttnArgs a_{};
+};
 
 }  // namespace
 
@@ -209,6 +321,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("N"), py::arg("d"), py::arg("w"), py::arg("K"), py::arg("L"), py::arg("out"),
       py::arg("force_scalar") = false, py::arg("num_threads") = 0);
 
+  // A decode call's checks split in two: what every sparse layer of an engine step shares (sizes,
+  // dtypes, the cache geometry, the block table and dense ranges, the projection) is checked once
+  // when the step is made; run() checks only a layer's own inputs (its query, centres, segments,
+  // caches and output).  The engine makes one per step, so its layers skip the shared checks.
+  py::class_<DecodeStep>(m, "DecodeStep")
+      .def(py::init<int, int, int, int, int, int, int, int, int, uintptr_t, std::vector<int64_t>, std::vector<int64_t>,
+                    uintptr_t, int, int, uintptr_t, int, bool, int>(),
+           py::arg("R"), py::arg("H"), py::arg("hkv"), py::arg("d"), py::arg("K"), py::arg("L"), py::arg("L_read"),
+           py::arg("dtype"), py::arg("q_dtype"), py::arg("w"), py::arg("ks"), py::arg("vs"), py::arg("bt"),
+           py::arg("max_blocks"), py::arg("block_size"), py::arg("ranges"), py::arg("out_dtype"),
+           py::arg("force_scalar"), py::arg("num_threads"))
+      .def("run", &DecodeStep::run, py::arg("scale"), py::arg("q"), py::arg("qcodes"), py::arg("qdc"),
+           py::arg("centres"), py::arg("segs"), py::arg("kc"), py::arg("vc"), py::arg("out"), py::arg("lse"),
+           py::arg("counts"), "One layer's decode: returns the sampled keys summed over requests and heads.");
+
   m.def(
       "sparse_decode",
       [](int R, int H, int hkv, int d, int K, int L, int dtype, float scale, uintptr_t q, int q_dtype, uintptr_t qcodes,
@@ -217,104 +344,16 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t vc, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size, uintptr_t ranges,
          uintptr_t out, int out_dtype, uintptr_t lse, uintptr_t counts, bool force_scalar, int num_threads,
          int L_read) {
-        const char* fn = "sparse_decode";
-        require(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
-                std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
-        require(out_dtype == BF16 || out_dtype == FP32,
-                std::string(fn) + ": out_dtype must be 0 (bf16) or 2 (fp32), got " + num(out_dtype));
-        require(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
-        require(hkv >= 1 && H % hkv == 0,
-                std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
-        check_head_dim(fn, d);
-        check_kl(fn, K, L);
-        if (L_read == 0) L_read = L;
-        require(L_read >= 2 && L_read <= L,
-                std::string(fn) + ": L_read must be in 2..L (" + num(L) + ") or 0 for L, got " + num(L_read));
-        check_dtype(fn, dtype);
-        // 4 strides (block, slot, head, dim), or 8: those and the tiling (slot group, its stride, dim
-        // group, its stride) of a tiled cache (AttnArgs::CacheTiles).
-        require((ks.size() == 4 || ks.size() == 8) && vs.size() == ks.size(),
-                std::string(fn) + ": cache strides must have 4 or 8 entries, the same for K and V");
-        require(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
-        require(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
-        require(segs.size() == static_cast<size_t>(R),
-                std::string(fn) + ": segs has " + num(segs.size()) + " entries for R=" + num(R) + " requests");
-        // Either the query codes and q . c are given, or the projection and a centre slot per request
-        // (0 for a request without segments) to compute them from.
-        require((qcodes != 0) == (qdc != 0), std::string(fn) + ": qcodes and qdc are given together or not at all");
-        if (qcodes == 0) {
-          require(centres.size() == static_cast<size_t>(R),
-                  std::string(fn) + ": centres has " + num(centres.size()) + " entries for R=" + num(R) + " requests");
-          if (R > 0 && H > 0) check_ptr(fn, "w", w);
-          for (int r = 0; r < R; ++r)
-            require(centres[r] != 0 || segs[r].empty(),
-                    std::string(fn) + ": request " + num(r) + " has segments but no centre");
-        }
-        if (R > 0 && H > 0) {  // then these tensors are non-empty; caches and block table may be empty
-          check_ptr(fn, "q", q);
-          if (qcodes != 0) {
-            check_ptr(fn, "qcodes", qcodes);
-            check_ptr(fn, "qdc", qdc);
-          }
-          check_ptr(fn, "ranges", ranges);
-          check_ptr(fn, "out", out);
-        }
-        std::vector<std::vector<SegmentPtr>> sg(segs.size());
-        for (size_t r = 0; r < segs.size(); ++r) {
-          for (const auto& s : segs[r]) check_segment(fn, s.get(), hkv, d, K, L, dtype);
-          sg[r].assign(segs[r].begin(), segs[r].end());
-        }
-        AttnArgs a{};
-        a.R = R;
-        a.H = H;
-        a.hkv = hkv;
-        a.d = d;
-        a.K = K;
-        a.L = L;
-        a.L_read = L_read;
-        a.dtype = dtype;
-        a.scale = scale;
-        a.q = ptr<const void>(q);
-        a.q_dtype = q_dtype;
-        a.qcodes = ptr<const int32_t>(qcodes);
-        a.qdc = ptr<const float>(qdc);
-        std::vector<const float*> cp(centres.size());
-        for (size_t r = 0; r < centres.size(); ++r) cp[r] = ptr<const float>(centres[r]);
-        a.w = ptr<const float>(w);
-        a.centres = cp.data();
-        a.segs = &sg;
-        a.kc = ptr<const uint16_t>(kc);
-        a.vc = ptr<const uint16_t>(vc);
-        for (int i = 0; i < 4; ++i) {
-          a.ks[i] = ks[i];
-          a.vs[i] = vs[i];
-        }
-        auto tiles = [&](const std::vector<int64_t>& s, const char* name) {
-          if (s.size() == 4) return AttnArgs::CacheTiles{block_size, 0, d, 0};
-          require(s[4] >= 1 && s[6] >= 1,
-                  std::string(fn) + ": " + name + " tile sizes must be >= 1, got " + num(s[4]) + ", " + num(s[6]));
-          return AttnArgs::CacheTiles{s[4], s[5], s[6], s[7]};
-        };
-        a.kt = tiles(ks, "ks");
-        a.vt = tiles(vs, "vs");
-        a.block_table = ptr<const int32_t>(bt);
-        a.max_blocks = max_blocks;
-        a.block_size = block_size;
-        a.ranges = ptr<const int32_t>(ranges);
-        a.out = ptr<void>(out);
-        a.out_dtype = out_dtype;
-        a.lse = ptr<float>(lse);
-        a.counts = ptr<int64_t>(counts);
-        a.force_scalar = force_scalar;
-        a.num_threads = num_threads;
-        py::gil_scoped_release nogil;
-        return sparse_decode(a);
+        const DecodeStep step(R, H, hkv, d, K, L, L_read, dtype, q_dtype, w, std::move(ks), std::move(vs), bt,
+                              max_blocks, block_size, ranges, out_dtype, force_scalar, num_threads);
+        return step.run(scale, q, qcodes, qdc, centres, segs, kc, vc, out, lse, counts);
       },
       py::arg("R"), py::arg("H"), py::arg("hkv"), py::arg("d"), py::arg("K"), py::arg("L"), py::arg("dtype"),
       py::arg("scale"), py::arg("q"), py::arg("q_dtype"), py::arg("qcodes"), py::arg("qdc"), py::arg("w"),
       py::arg("centres"), py::arg("segs"), py::arg("kc"), py::arg("ks"), py::arg("vc"), py::arg("vs"), py::arg("bt"),
       py::arg("max_blocks"), py::arg("block_size"), py::arg("ranges"), py::arg("out"), py::arg("out_dtype"),
-      py::arg("lse"), py::arg("counts"), py::arg("force_scalar"), py::arg("num_threads") = 0, py::arg("L_read") = 0);
+      py::arg("lse"), py::arg("counts"), py::arg("force_scalar"), py::arg("num_threads") = 0, py::arg("L_read") = 0,
+      "One decode call: a DecodeStep made and run once.");
 
   m.def(
       "set_profiling",

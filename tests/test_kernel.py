@@ -614,7 +614,7 @@ def test_bad_inputs_raise():
         call(query_codes=c.qcodes + 64)
     with pytest.raises(ValueError, match="segments"):
         call(segments=[])
-    with pytest.raises(ValueError, match=r"\(Hkv, D, K, L\)"):
+    with pytest.raises(ValueError, match=r"segment's \(Hkv, D, K, L"):
         call(K=5, query_codes=c.qcodes % 32)
     with pytest.raises(ValueError, match="K must"):
         call(K=0)

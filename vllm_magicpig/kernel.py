@@ -21,7 +21,8 @@ from . import _C, limits
 
 __all__ = [
     "Segment", "build_segment", "build_segment_from_codes", "merge_segments", "hash_codes",
-    "sparse_decode_attention", "active_isa", "cpu_isa", "ISA_NAMES", "max_threads", "profiling", "MAX_SEGMENT_TOKENS",
+    "DecodeStep", "sparse_decode_attention", "magicpig_decode_attention", "active_isa", "cpu_isa", "ISA_NAMES",
+    "max_threads", "profiling", "MAX_SEGMENT_TOKENS",
 ]
 
 MAX_SEGMENT_TOKENS = limits.MAX_SEGMENT_TOKENS
@@ -332,6 +333,203 @@ def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False,
 
 
 # ----------------------------------------------------------------------------- decode attention
+class DecodeStep:
+    """The checks of a decode call that every sparse layer of an engine step shares, made once.
+
+    A step fixes the batch's geometry from its first layer's tensors (``query``, the caches and
+    ``out``) and takes what the layers share: the block table, the dense ranges, (K, L, L_read),
+    and the projection the queries are hashed with. Each layer then calls :meth:`attend` (or
+    :meth:`attend_codes` with the query codes given), which checks only that layer's own tensors
+    against the step and makes the native call. The results are bit for bit those of
+    :func:`magicpig_decode_attention` and :func:`sparse_decode_attention`, which are a step made
+    and run once.
+
+    The step holds the block table, dense ranges and projection it was made with (contiguous
+    copies where they were not contiguous) and reads their contents at every call, so they must
+    not be changed in shape; ``check_values`` checks the ranges' values against the block table
+    once, here. An engine's layers save the shared checks (~30-50 us a layer on one core, cold).
+    """
+
+    def __init__(self, *, query, key_cache, value_cache, out, block_table, dense_ranges, K: int, L: int,
+                 projection=None, L_read: int | None = None, check_values: bool = True, force_scalar: bool = False,
+                 num_threads: int | None = None) -> None:
+        _check_kl(K, L)
+        nt = _threads(num_threads)
+        if L_read is None:
+            L_read = L
+        if isinstance(L_read, bool) or not isinstance(L_read, int) or not 2 <= L_read <= L:
+            raise ValueError(f"L_read must be an int in 2..L={L} (the tables read), got {L_read!r}")
+        for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                        ("block_table", block_table), ("dense_ranges", dense_ranges), ("out", out)):
+            _tensor(name, t)
+        _dtype("query", query, (torch.bfloat16, torch.float16, torch.float32))
+        if query.dim() != 3:
+            raise ValueError(f"query must have shape [R, H, D], got {list(query.shape)}")
+        R, H, D = query.shape
+        _check_head_dim(D)
+        (num_blocks, block_size, hkv, Dk), k_strides = _cache_axes("key_cache", key_cache)
+        if Dk != D:
+            raise ValueError(f"key_cache head_dim {Dk} != query head_dim {D}")
+        v_shape, v_strides = _cache_axes("value_cache", value_cache)
+        if v_shape != (num_blocks, block_size, hkv, Dk):
+            raise ValueError(f"value_cache is {list(v_shape)} as [num_blocks, block_size, Hkv, D], key_cache "
+                             f"{[num_blocks, block_size, hkv, Dk]}")
+        if len(k_strides) != len(v_strides):
+            raise ValueError("key_cache and value_cache must both be 4-D or both 6-D views")
+        _dtype("key_cache", key_cache, tuple(_DTYPE_CODE))
+        if value_cache.dtype != key_cache.dtype:
+            raise TypeError(f"value_cache dtype {value_cache.dtype} must match key_cache dtype {key_cache.dtype}")
+        if hkv <= 0 or H % hkv:
+            raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({hkv})")
+        _dtype("block_table", block_table, (torch.int32,))
+        if block_table.dim() != 2 or block_table.shape[0] != R:
+            raise ValueError(f"block_table must have shape [R={R}, max_blocks], got {list(block_table.shape)}")
+        max_blocks = block_table.shape[1]
+        _dtype("dense_ranges", dense_ranges, (torch.int32,))
+        _shape("dense_ranges", dense_ranges, (R, 2, 2))
+        _shape("out", out, (R, H, D))
+        if out.dtype != query.dtype:
+            raise TypeError(f"out dtype {out.dtype} must match query dtype {query.dtype}")
+        projection_in = projection
+        if projection is not None:
+            projection = _check_projection(projection, D, K, L)
+        # The O(n) value scan of the ranges; the backend's hot path skips it (check_values=False)
+        # because it built the ranges and block table itself.
+        if check_values and R:
+            # Dense ranges must be ordered, inside the block table, and map to existing blocks.
+            _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks)
+        self.R, self.H, self.D, self.hkv, self.K, self.L, self.L_read = R, H, D, hkv, K, L, L_read
+        self.block_table, self.dense_ranges, self.projection = block_table, dense_ranges, projection
+        self._projection_in = projection_in
+        self.num_threads = num_threads
+        self._qshape, self._qdtype = query.shape, query.dtype
+        # each view's own shape and strides (a tiled cache's K and V views tile differently)
+        self._caches = ((key_cache.shape, key_cache.stride()), (value_cache.shape, value_cache.stride()))
+        self._cache_dtype = key_cache.dtype
+        # An output the kernel writes directly: bf16 / fp32 in place, anything else through fp32.
+        self._odtype = out.dtype if out.dtype in _OUT_CODE else torch.float32
+        bt, dr = block_table.contiguous(), dense_ranges.contiguous()
+        self._keep = (bt, dr)  # alive as long as the step: the native step holds their pointers
+        self._c = _C.DecodeStep(R, H, hkv, D, K, L, L_read, _DTYPE_CODE[key_cache.dtype], _Q_CODE[query.dtype],
+                                0 if projection is None else projection.data_ptr(), k_strides, v_strides,
+                                bt.data_ptr(), max_blocks, block_size, dr.data_ptr(), _OUT_CODE[self._odtype],
+                                bool(force_scalar), nt)
+
+    def serves(self, query, key_cache, block_table, dense_ranges, projection, K: int, L: int,
+               L_read: int | None = None) -> bool:
+        """Whether a layer with these inputs can run on this step: the same block table, dense
+        ranges and projection objects (each read in place, not through a copy the step made), the
+        same (K, L, L_read), and a query and cache of the step's geometry. Identity, not equality:
+        an engine's next step brings new tensors, and the step holds these, so their ids cannot be
+        reused while it lives."""
+        bt, dr = self._keep
+        return (block_table is self.block_table and bt is block_table and dense_ranges is self.dense_ranges
+                and dr is dense_ranges and projection is self._projection_in and K == self.K and L == self.L
+                and (L if L_read is None else L_read) == self.L_read and query.shape == self._qshape
+                and query.dtype is self._qdtype and key_cache.shape == self._caches[0][0]
+                and key_cache.stride() == self._caches[0][1])
+
+    def attend(self, query, centres, segments, key_cache, value_cache, out, *, scale: float, lse=None,
+               sampled_counts=None) -> int:
+        """One layer's decode, hashing its queries with the step's projection: ``centres`` holds
+        each request's float32 centre ``[Hkv, D]``, or None for a request with no segments (served
+        exactly). Writes ``out`` (and ``lse``, ``sampled_counts``); returns the sampled keys summed
+        over requests and heads."""
+        if self.projection is None:
+            raise ValueError("this DecodeStep was made without a projection: call attend_codes with the query codes")
+        if not isinstance(centres, (list, tuple)):
+            raise TypeError(f"centres must be a list of R float32 [Hkv, D] tensors or None, got "
+                            f"{type(centres).__name__}")
+        if len(centres) != self.R:
+            raise ValueError(f"centres must have R={self.R} entries, got {len(centres)}")
+        shape = (self.hkv, self.D)
+        ptrs = []
+        for r, c in enumerate(centres):
+            if c is None:
+                ptrs.append(0)
+                continue
+            if not (isinstance(c, torch.Tensor) and c.dtype is torch.float32 and c.shape == shape and c.is_cpu
+                    and c.is_contiguous()):
+                _tensor(f"centres[{r}]", c)
+                _dtype(f"centres[{r}]", c, (torch.float32,))
+                _shape(f"centres[{r}]", c, shape)
+                raise ValueError(f"centres[{r}] must be contiguous")
+            ptrs.append(c.data_ptr())
+        return self._run(query, 0, 0, ptrs, segments, key_cache, value_cache, out, scale, lse, sampled_counts)
+
+    def attend_codes(self, query, query_codes, query_dot_centre, segments, key_cache, value_cache, out, *,
+                     scale: float, lse=None, sampled_counts=None, check_values: bool = True) -> int:
+        """One layer's decode with the query codes ``[R, H, L]`` int32 and q . c ``[R, H]`` float32
+        given (hashed elsewhere); otherwise as :meth:`attend`."""
+        _tensor("query_codes", query_codes)
+        _tensor("query_dot_centre", query_dot_centre)
+        _dtype("query_codes", query_codes, (torch.int32,))
+        _dtype("query_dot_centre", query_dot_centre, (torch.float32,))
+        _shape("query_codes", query_codes, (self.R, self.H, self.L))
+        _shape("query_dot_centre", query_dot_centre, (self.R, self.H))
+        if check_values and query_codes.numel() and (int(query_codes.min()) < 0
+                                                    or int(query_codes.max()) >= (1 << self.K)):
+            raise ValueError(f"query_codes must lie in [0, 2^K={1 << self.K})")
+        qc, qdc = query_codes.contiguous(), query_dot_centre.contiguous()
+        return self._run(query, qc.data_ptr(), qdc.data_ptr(), [], segments, key_cache, value_cache, out, scale, lse,
+                         sampled_counts)
+
+    def _run(self, query, qc_ptr, qdc_ptr, centre_ptrs, segments, key_cache, value_cache, out, scale, lse,
+             sampled_counts) -> int:
+        # A layer's own tensors, against the step: one comparison each on the hot path, the
+        # precise message only when it fails.
+        if not (isinstance(query, torch.Tensor) and query.shape == self._qshape and query.dtype is self._qdtype
+                and query.is_cpu):
+            self._mismatch("query", query, self._qshape, self._qdtype)
+        if not (isinstance(out, torch.Tensor) and out.shape == self._qshape and out.dtype is self._qdtype
+                and out.is_cpu):
+            self._mismatch("out", out, self._qshape, self._qdtype)
+        dtype = self._cache_dtype
+        for name, t, (shape, stride) in zip(("key_cache", "value_cache"), (key_cache, value_cache), self._caches):
+            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride and t.dtype is dtype
+                    and t.is_cpu):
+                _tensor(name, t)
+                raise ValueError(f"{name} must match the step's cache: shape {list(shape)}, strides {stride}, "
+                                 f"dtype {dtype}; got {list(t.shape)}, {t.stride()}, {t.dtype}")
+        _check_optional_out("lse", lse, torch.float32, (self.R, self.H))
+        _check_optional_out("sampled_counts", sampled_counts, torch.int64, (self.R, self.H))
+        if not isinstance(segments, (list, tuple)) or len(segments) != self.R:
+            raise ValueError(f"segments must be a list of R={self.R} lists of Segment")
+        try:  # the native call checks each segment's (Hkv, D, K, L, dtype)
+            seg_c = [[s._c for s in segs] for segs in segments]
+        except (AttributeError, TypeError):
+            _check_segment_lists(segments)
+            raise
+        if not self.R:
+            return 0
+        # The query goes in, and a bf16 / fp32 output comes out, in its own dtype: no conversion pass.
+        q = query.contiguous()
+        direct = out.dtype is self._odtype and out.is_contiguous()
+        o = out if direct else torch.empty(self._qshape, dtype=self._odtype)
+        sampled = self._c.run(float(scale), q.data_ptr(), qc_ptr, qdc_ptr, centre_ptrs, seg_c, key_cache.data_ptr(),
+                              value_cache.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                              0 if sampled_counts is None else sampled_counts.data_ptr())
+        if not direct:
+            out.copy_(o)
+        return sampled
+
+    @staticmethod
+    def _mismatch(name, t, shape, dtype):
+        _tensor(name, t)
+        _dtype(name, t, (dtype,))
+        raise ValueError(f"{name} must have the step's shape {list(shape)}, got {list(t.shape)}")
+
+
+def _check_segment_lists(segments) -> None:
+    """Why ``segments`` is not R lists of Segment: the message for the fast path's failure."""
+    for r, segs in enumerate(segments):
+        if not isinstance(segs, (list, tuple)):
+            raise TypeError(f"segments[{r}] must be a list of Segment, got {type(segs).__name__}")
+        for s in segs:
+            if not isinstance(s, Segment):
+                raise TypeError(f"segments[{r}] holds a {type(s).__name__}, not a Segment")
+
+
 def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_cache, value_cache, *,
                             block_table, dense_ranges, scale: float, K: int, L: int, out, lse=None,
                             sampled_counts=None, force_scalar: bool = False, check_values: bool = True,
@@ -347,23 +545,14 @@ def sparse_decode_attention(query, query_codes, query_dot_centre, segments, key_
 
     ``L_read`` (2..L, None: L) reads only the segments' first ``L_read`` tables: keys colliding in
     >= 2 of them are sampled, weighted for (K, L_read). That equals segments built with L_read
-    tables from the projection's first K * L_read columns (budget mode steers its fraction so)."""
-    _check_kl(K, L)
-    _tensor("query_codes", query_codes)
-    _tensor("query_dot_centre", query_dot_centre)
-    _dtype("query_codes", query_codes, (torch.int32,))
-    _dtype("query_dot_centre", query_dot_centre, (torch.float32,))
-    if check_values and query_codes.numel() and (int(query_codes.min()) < 0 or int(query_codes.max()) >= (1 << K)):
-        raise ValueError(f"query_codes must lie in [0, 2^K={1 << K})")
-    qc, qdc = query_codes.contiguous(), query_dot_centre.contiguous()
+    tables from the projection's first K * L_read columns (budget mode steers its fraction so).
 
-    def shapes(R, H):
-        _shape("query_codes", query_codes, (R, H, L))
-        _shape("query_dot_centre", query_dot_centre, (R, H))
-        return qc.data_ptr(), qdc.data_ptr(), 0, []
-
-    return _decode(query, shapes, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
-                   sampled_counts, force_scalar, check_values, num_threads, L_read)
+    A :class:`DecodeStep` made and run once."""
+    step = DecodeStep(query=query, key_cache=key_cache, value_cache=value_cache, out=out, block_table=block_table,
+                      dense_ranges=dense_ranges, K=K, L=L, L_read=L_read, check_values=check_values,
+                      force_scalar=force_scalar, num_threads=num_threads)
+    return step.attend_codes(query, query_codes, query_dot_centre, segments, key_cache, value_cache, out, scale=scale,
+                             lse=lse, sampled_counts=sampled_counts, check_values=check_values)
 
 
 def magicpig_decode_attention(query, projection, centres, segments, key_cache, value_cache, *, block_table,
@@ -374,121 +563,15 @@ def magicpig_decode_attention(query, projection, centres, segments, key_cache, v
     ``projection [D, K*L]``, the arithmetic of the segment build) and computes q . c: ``centres`` is a
     list of R entries, each request's float32 centre ``[Hkv, D]``, or None for a request with no
     segments (served exactly). Returns the sampled keys summed over requests and heads. ``L_read``:
-    as there."""
-    _check_kl(K, L)
+    as there. A :class:`DecodeStep` made and run once."""
     if not isinstance(centres, (list, tuple)):
         raise TypeError(f"centres must be a list of R float32 [Hkv, D] tensors or None, got {type(centres).__name__}")
-
-    def shapes(R, H):
-        D, hkv = query.shape[2], _cache_axes("key_cache", key_cache)[0][2]
-        proj = _check_projection(projection, D, K, L)
-        if len(centres) != R:
-            raise ValueError(f"centres must have R={R} entries, got {len(centres)}")
-        ptrs = []
-        for r, c in enumerate(centres):
-            if c is None:
-                if segments[r]:
-                    raise ValueError(f"request {r} has segments but no centre")
-                ptrs.append(0)
-                continue
-            _tensor(f"centres[{r}]", c)
-            _dtype(f"centres[{r}]", c, (torch.float32,))
-            _shape(f"centres[{r}]", c, (hkv, D))
-            if not c.is_contiguous():
-                raise ValueError(f"centres[{r}] must be contiguous")
-            ptrs.append(c.data_ptr())
-        keep.append(proj)  # alive until the call returns
-        return 0, 0, proj.data_ptr(), ptrs
-
-    keep: list = []
-    return _decode(query, shapes, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
-                   sampled_counts, force_scalar, check_values, num_threads, L_read)
-
-
-def _decode(query, query_inputs, segments, key_cache, value_cache, block_table, dense_ranges, scale, K, L, out, lse,
-            sampled_counts, force_scalar, check_values, num_threads, L_read) -> int:
-    """The checks and the native call shared by both decode entry points; ``query_inputs(R, H)``
-    checks their own inputs and returns (qcodes ptr, qdc ptr, projection ptr, centre ptrs)."""
-    nt = _threads(num_threads)
-    if L_read is None:
-        L_read = L
-    if isinstance(L_read, bool) or not isinstance(L_read, int) or not 2 <= L_read <= L:
-        raise ValueError(f"L_read must be an int in 2..L={L} (the tables read), got {L_read!r}")
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("block_table", block_table), ("dense_ranges", dense_ranges), ("out", out)):
-        _tensor(name, t)
-    _dtype("query", query, (torch.bfloat16, torch.float16, torch.float32))
-    if query.dim() != 3:
-        raise ValueError(f"query must have shape [R, H, D], got {list(query.shape)}")
-    R, H, D = query.shape
-    _check_head_dim(D)
-    (num_blocks, block_size, hkv, Dk), k_strides = _cache_axes("key_cache", key_cache)
-    if Dk != D:
-        raise ValueError(f"key_cache head_dim {Dk} != query head_dim {D}")
-    v_shape, v_strides = _cache_axes("value_cache", value_cache)
-    if v_shape != (num_blocks, block_size, hkv, Dk):
-        raise ValueError(f"value_cache is {list(v_shape)} as [num_blocks, block_size, Hkv, D], key_cache "
-                         f"{[num_blocks, block_size, hkv, Dk]}")
-    if len(k_strides) != len(v_strides):
-        raise ValueError("key_cache and value_cache must both be 4-D or both 6-D views")
-    _dtype("key_cache", key_cache, tuple(_DTYPE_CODE))
-    if value_cache.dtype != key_cache.dtype:
-        raise TypeError(f"value_cache dtype {value_cache.dtype} must match key_cache dtype {key_cache.dtype}")
-    if hkv <= 0 or H % hkv:
-        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({hkv})")
-    _dtype("block_table", block_table, (torch.int32,))
-    if block_table.dim() != 2 or block_table.shape[0] != R:
-        raise ValueError(f"block_table must have shape [R={R}, max_blocks], got {list(block_table.shape)}")
-    max_blocks = block_table.shape[1]
-    _dtype("dense_ranges", dense_ranges, (torch.int32,))
-    _shape("dense_ranges", dense_ranges, (R, 2, 2))
-    _shape("out", out, (R, H, D))
-    if out.dtype != query.dtype:
-        raise TypeError(f"out dtype {out.dtype} must match query dtype {query.dtype}")
-    _check_optional_out("lse", lse, torch.float32, (R, H))
-    _check_optional_out("sampled_counts", sampled_counts, torch.int64, (R, H))
-    if not isinstance(segments, (list, tuple)) or len(segments) != R:
-        raise ValueError(f"segments must be a list of R={R} lists of Segment")
-    seg_c = []
-    for r, segs in enumerate(segments):
-        if not isinstance(segs, (list, tuple)):
-            raise TypeError(f"segments[{r}] must be a list of Segment, got {type(segs).__name__}")
-        row = []
-        for s in segs:
-            if not isinstance(s, Segment):
-                raise TypeError(f"segments[{r}] holds a {type(s).__name__}, not a Segment")
-            if (s.num_kv_heads, s.head_dim, s.K, s.L) != (hkv, D, K, L):
-                raise ValueError(f"segments[{r}] has (Hkv, D, K, L)={(s.num_kv_heads, s.head_dim, s.K, s.L)}, "
-                                 f"the call has {(hkv, D, K, L)}")
-            if s.dtype != key_cache.dtype:
-                raise TypeError(f"segments[{r}] dtype {s.dtype} != cache dtype {key_cache.dtype}")
-            row.append(s._c)
-        seg_c.append(row)
-    qc_ptr, qdc_ptr, w_ptr, centre_ptrs = query_inputs(R, H)
-    if R == 0:
-        return 0
-    # The O(n) value scan of the ranges; the backend's hot path skips it (check_values=False)
-    # because it built the ranges and block table itself.
-    if check_values:
-        # Dense ranges must be ordered, inside the block table, and map to existing blocks.
-        _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks)
-
-    # The query goes in, and a bf16 / fp32 output comes out, in its own dtype: no conversion pass.
-    q = query.contiguous()
-    bt = block_table.contiguous()
-    dr = dense_ranges.contiguous()
-    direct = out.dtype in _OUT_CODE and out.is_contiguous()
-    o = out if direct else torch.empty(R, H, D, dtype=torch.float32)
-    sampled = _C.sparse_decode(R, H, hkv, D, K, L, _DTYPE_CODE[key_cache.dtype], float(scale), q.data_ptr(),
-                               _Q_CODE[query.dtype], qc_ptr, qdc_ptr, w_ptr, centre_ptrs, seg_c,
-                               key_cache.data_ptr(), k_strides, value_cache.data_ptr(),
-                               v_strides, bt.data_ptr(), max_blocks, block_size, dr.data_ptr(),
-                               o.data_ptr(), _OUT_CODE[o.dtype], 0 if lse is None else lse.data_ptr(),
-                               0 if sampled_counts is None else sampled_counts.data_ptr(), bool(force_scalar), nt,
-                               L_read)
-    if not direct:
-        out.copy_(o)
-    return sampled
+    _tensor("projection", projection)
+    step = DecodeStep(query=query, key_cache=key_cache, value_cache=value_cache, out=out, block_table=block_table,
+                      dense_ranges=dense_ranges, K=K, L=L, projection=projection, L_read=L_read,
+                      check_values=check_values, force_scalar=force_scalar, num_threads=num_threads)
+    return step.attend(query, centres, segments, key_cache, value_cache, out, scale=scale, lse=lse,
+                       sampled_counts=sampled_counts)
 
 
 def _cache_axes(name, view) -> tuple[tuple[int, int, int, int], list[int]]:

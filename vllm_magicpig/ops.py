@@ -69,6 +69,7 @@ class CpuKernelOps:
         self._kernel = kernel
         self.num_threads = num_threads
         self.mirror = "cache"  # the kernel's name for mirror_dtype "auto"
+        self._step = None  # the kernel.DecodeStep of the step being decoded
 
     def set_mirror_dtype(self, mirror_dtype):
         self.mirror = "cache" if mirror_dtype == "auto" else mirror_dtype
@@ -104,7 +105,12 @@ class CpuKernelOps:
 
     def attend_queries(self, query, projection, centres, segments, kv, block_table, dense_ranges, scale, K, L, out,
                        sampled_counts=None, L_read=None):
-        return self._kernel.magicpig_decode_attention(
-            query, projection, centres, segments, kv.key, kv.value, block_table=block_table,
-            dense_ranges=dense_ranges, scale=scale, K=K, L=L, out=out, sampled_counts=sampled_counts,
-            check_values=False, num_threads=self.num_threads, L_read=L_read)
+        # The sparse layers of a step pass the plan's block table, dense ranges and the shared
+        # projection: the checks of those are made once, by the step's first layer (kernel.DecodeStep).
+        step = self._step
+        if step is None or not step.serves(query, kv.key, block_table, dense_ranges, projection, K, L, L_read):
+            step = self._step = self._kernel.DecodeStep(
+                query=query, key_cache=kv.key, value_cache=kv.value, out=out, block_table=block_table,
+                dense_ranges=dense_ranges, K=K, L=L, projection=projection, L_read=L_read, check_values=False,
+                num_threads=self.num_threads)
+        return step.attend(query, centres, segments, kv.key, kv.value, out, scale=scale, sampled_counts=sampled_counts)
