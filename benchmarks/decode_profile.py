@@ -20,7 +20,8 @@ index, called in turn (by default enough copies to hold 3x the L3, as kernel_ben
 ``--layers 28`` as many as SmolLM2's sparse layers, whose index and mirror together span
 gigabytes), against vLLM's kernel over copies of the cache in turn, with the kernel's phase
 timers. Called back to back, one layer's index and sampled rows stay in the L3 and its pages
-in the TLB, which no engine step sees.
+in the TLB, which no engine step sees. "Outside the phases" is a turn's time less the kernel's
+phase timers, per layer: the Python around the call and the call's set-up, cold (one thread).
 
 ``--tree DIR`` times the vllm_magicpig of another checkout with its extension built (a git
 worktree of an earlier commit, say) with this script's timings; run it and the default in turn
@@ -231,10 +232,15 @@ def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, 
     if new_query is not None:
         new_query()
     with kernel.profiling() as phase_s:  # the kernel's phase timers (thread-seconds), one turn more
+        t0 = time.perf_counter()
         layer_turn()
+        t_prof = time.perf_counter() - t0
     phases = phase_text(phase_s, n)
+    # That turn's time outside the phases: the Python around the call and the call's set-up (one
+    # thread: thread-seconds are seconds).
+    outside_ms = (t_prof - sum(phase_s.values())) / n * 1e3
     return dict(context=ctx, batch=batch, layers=n, exact_ms=t_exact, magicpig_layer_ms=t_layer, build_ms=build_ms,
-                phases=phases)
+                phases=phases, outside_ms=outside_ms)
 
 
 def main(argv=None):
@@ -259,14 +265,14 @@ def main(argv=None):
         print("Cold: copies of the layer called in turn; ms per layer call"
               + ("; a new query every turn" if a.fresh_queries else "; the same query every turn"))
         print("| context | batch | layer copies | vLLM exact ms cold | MAGICPIG layer ms cold | ratio | "
-              "index build ms | kernel phases, thread-ms per layer |")
-        print("|---|---|---|---|---|---|---|---|")
+              "index build ms | kernel phases, thread-ms per layer | outside the phases ms (1 thread) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for ctx in [int(x) for x in a.contexts.split(",")]:
             for b in [int(x) for x in a.batches.split(",")]:
                 r = run(ctx, b, a.K, a.L, cold=True, layers=a.layers, fresh=a.fresh_queries)
                 print(f"| {ctx} | {b} | {r['layers']} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
-                      f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['build_ms']:.0f} | {r['phases']} |",
-                      flush=True)
+                      f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['build_ms']:.0f} | {r['phases']} | "
+                      f"{r['outside_ms']:.3f} |", flush=True)
         return
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
           "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
