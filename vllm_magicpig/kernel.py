@@ -344,9 +344,9 @@ class DecodeStep:
     :func:`magicpig_decode_attention` and :func:`sparse_decode_attention`, which are a step made
     and run once.
 
-    The step holds the block table, dense ranges and projection it was made with (contiguous
-    copies where they were not contiguous) and reads their contents at every call, so they must
-    not be changed in shape; ``check_values`` checks the ranges' values against the block table
+    The step holds the block table, dense ranges and projection it reads (the caller's own
+    tensors, or contiguous copies where those were not contiguous) and reads their contents at
+    every call, so they must not be changed in shape; ``check_values`` checks the ranges' values against the block table
     once, here. An engine's layers save the shared checks (~30-50 us a layer on one core, cold).
     """
 
@@ -390,7 +390,6 @@ class DecodeStep:
         _shape("out", out, (R, H, D))
         if out.dtype != query.dtype:
             raise TypeError(f"out dtype {out.dtype} must match query dtype {query.dtype}")
-        projection_in = projection
         if projection is not None:
             projection = _check_projection(projection, D, K, L)
         # The O(n) value scan of the ranges; the backend's hot path skips it (check_values=False)
@@ -399,32 +398,29 @@ class DecodeStep:
             # Dense ranges must be ordered, inside the block table, and map to existing blocks.
             _check_dense_ranges(dense_ranges, block_table, max_blocks, block_size, num_blocks)
         self.R, self.H, self.D, self.hkv, self.K, self.L, self.L_read = R, H, D, hkv, K, L, L_read
-        self.block_table, self.dense_ranges, self.projection = block_table, dense_ranges, projection
-        self._projection_in = projection_in
-        self.num_threads = num_threads
+        # What the native step reads, alive as long as the step: it holds their pointers.
+        self.block_table, self.dense_ranges = block_table.contiguous(), dense_ranges.contiguous()
+        self.projection = projection
         self._qshape, self._qdtype = query.shape, query.dtype
         # each view's own shape and strides (a tiled cache's K and V views tile differently)
         self._caches = ((key_cache.shape, key_cache.stride()), (value_cache.shape, value_cache.stride()))
         self._cache_dtype = key_cache.dtype
         # An output the kernel writes directly: bf16 / fp32 in place, anything else through fp32.
         self._odtype = out.dtype if out.dtype in _OUT_CODE else torch.float32
-        bt, dr = block_table.contiguous(), dense_ranges.contiguous()
-        self._keep = (bt, dr)  # alive as long as the step: the native step holds their pointers
         self._c = _C.DecodeStep(R, H, hkv, D, K, L, L_read, _DTYPE_CODE[key_cache.dtype], _Q_CODE[query.dtype],
                                 0 if projection is None else projection.data_ptr(), k_strides, v_strides,
-                                bt.data_ptr(), max_blocks, block_size, dr.data_ptr(), _OUT_CODE[self._odtype],
-                                bool(force_scalar), nt)
+                                self.block_table.data_ptr(), max_blocks, block_size, self.dense_ranges.data_ptr(),
+                                _OUT_CODE[self._odtype], bool(force_scalar), nt)
 
     def serves(self, query, key_cache, block_table, dense_ranges, projection, K: int, L: int,
                L_read: int | None = None) -> bool:
         """Whether a layer with these inputs can run on this step: the same block table, dense
-        ranges and projection objects (each read in place, not through a copy the step made), the
-        same (K, L, L_read), and a query and cache of the step's geometry. Identity, not equality:
-        an engine's next step brings new tensors, and the step holds these, so their ids cannot be
-        reused while it lives."""
-        bt, dr = self._keep
-        return (block_table is self.block_table and bt is block_table and dense_ranges is self.dense_ranges
-                and dr is dense_ranges and projection is self._projection_in and K == self.K and L == self.L
+        ranges and projection objects the step reads (so never one it could only read through a copy
+        it made), the same (K, L, L_read), and a query and cache of the step's geometry. Identity, not
+        equality: an engine's next step brings new tensors, and the step holds these, so their ids
+        cannot be reused while it lives."""
+        return (block_table is self.block_table and dense_ranges is self.dense_ranges
+                and projection is self.projection and K == self.K and L == self.L
                 and (L if L_read is None else L_read) == self.L_read and query.shape == self._qshape
                 and query.dtype is self._qdtype and key_cache.shape == self._caches[0][0]
                 and key_cache.stride() == self._caches[0][1])
@@ -564,9 +560,7 @@ def magicpig_decode_attention(query, projection, centres, segments, key_cache, v
     list of R entries, each request's float32 centre ``[Hkv, D]``, or None for a request with no
     segments (served exactly). Returns the sampled keys summed over requests and heads. ``L_read``:
     as there. A :class:`DecodeStep` made and run once."""
-    if not isinstance(centres, (list, tuple)):
-        raise TypeError(f"centres must be a list of R float32 [Hkv, D] tensors or None, got {type(centres).__name__}")
-    _tensor("projection", projection)
+    _tensor("projection", projection)  # required here (a DecodeStep may be made without one)
     step = DecodeStep(query=query, key_cache=key_cache, value_cache=value_cache, out=out, block_table=block_table,
                       dense_ranges=dense_ranges, K=K, L=L, projection=projection, L_read=L_read,
                       check_values=check_values, force_scalar=force_scalar, num_threads=num_threads)
