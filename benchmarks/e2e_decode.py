@@ -296,6 +296,27 @@ def warm_up(llm, prompts) -> tuple[float, int, float]:
     return first_s, runs, build_s
 
 
+def engine_phases(llm, prompts, decode_tokens: int, batch: int, layers: int) -> dict:
+    """The sparse layers' time in the engine split by the kernel's phase timers, from one more run of the
+    row's decodes after its timed ones (so the timers' own cost stays out of the timed figures) -> ms per
+    decode step: each phase, ``call`` (MAGICPIG's own timer around the ops call) and ``set_up`` (the call
+    less its phases: the Python around the native call, its checks and its preparation). The timers are
+    the worker's (the eval extension's RPC ``magicpig_phase_timers``), on the real keys of the row."""
+    llm.collective_rpc("magicpig_reset_stats")
+    llm.collective_rpc("magicpig_phase_timers", args=(True,))
+    try:
+        _generate(llm, prompts, decode_tokens)
+    finally:
+        per_rank = llm.collective_rpc("magicpig_phase_timers", args=(False,))
+    st = _stats(llm)
+    llm.collective_rpc("magicpig_reset_stats")
+    steps = max(_decodes(st) / (batch * layers), 1e-9)
+    ms = {k: round(1000 * sum(p[k] for p in per_rank) / steps, 3) for k in per_rank[0]}
+    ms["call"] = round(1000 * st["sparse_seconds"] / steps, 3)
+    ms["set_up"] = round(ms["call"] - sum(v for k, v in ms.items() if k != "call"), 3)
+    return ms
+
+
 def magicpig_fields(st: dict, batch: int, ctx: int, layers: int, build_s: float) -> dict:
     """What MAGICPIG's stats say of a row's timed decodes."""
     return dict(sampled_fraction=st["sampled_fraction"], decode_sparse=st["decode_sparse"],
@@ -405,6 +426,7 @@ def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_
         first_s, warm_runs, build_s = warm_up(llms["MAGICPIG"], prompts[:b])
         timed = decode_seconds(llms, prompts[:b], decode_tokens)
         st = _stats(llms["MAGICPIG"])  # before the floor's decodes add to it
+        phases = engine_phases(llms["MAGICPIG"], prompts[:b], decode_tokens, b, layers)
         floor = floor_ms_per_step(llms, b, decode_tokens)  # beside the row it splits: the machine drifts
         for n in BACKENDS:
             t = timed[n]
@@ -419,6 +441,7 @@ def warm_rows(llms, tok, ctx, batches, decode_tokens, kv_bpt, layers, scheduler_
                 # indexing inside the timed runs (a segment's growth by merging, synchronous): it lands
                 # in the step time whole, where a long answer spreads it over a unit of tokens
                 row["timed_build_s"] = round(st["build_seconds"], 3)
+                row["sparse_phases_ms_per_step"] = phases
             print(json.dumps(row), flush=True)
             rows.append(row)
     first = first_decode_ms(llms, prompts[0])
@@ -598,6 +621,30 @@ def breakdown_lines(rows: list[dict], base: dict) -> list[str]:
                      f"{r['tok_per_s'] / b['tok_per_s']:.2f}x | {bound:.2f}x |")
     lines += ["", "A bound below a speed-up target puts that target out of reach of this model on this machine, "
               "whatever the sparse layers cost: the floor and the dense layers alone take longer."]
+    return lines + phase_lines(parts)
+
+
+PHASES = ("queries", "lookup", "gather_logits", "softmax_v", "dense", "merge", "set_up")
+
+
+def phase_lines(parts: list[dict]) -> list[str]:
+    """The sparse layers' time split by the kernel's phase timers in the engine (``engine_phases``)."""
+    parts = [r for r in parts if r.get("sparse_phases_ms_per_step")]
+    if not parts:
+        return []
+    lines = ["", "Sparse layers split by the kernel's phase timers in the engine's worker, ms per decode step, from "
+             "one more run of the row's decodes after the timed ones (timers on): queries (hashing, q.c), lookup "
+             "(collision counting over the buckets), gather_logits (sampled rows' q.k), softmax_v (the weighted V "
+             "sum), dense (sink and recent tokens, exactly), merge; set-up: the ops call less its phases (Python, "
+             "checks, the native call's preparation). Per sparse layer: the call over the sparse layers a step.", "",
+             "| threads | context | batch | " + " | ".join(PHASES) + " | call | per sparse layer |",
+             "|---|---|---|" + "---|" * (len(PHASES) + 2)]
+    for r in parts:
+        ph = r["sparse_phases_ms_per_step"]
+        sparse_layers = max(r["layers"] - r["dense_layers"], 1)
+        lines.append(f"| {r['threads']} | {r['context']} | {r['batch']} | "
+                     + " | ".join(f"{ph.get(k, 0):.2f}" for k in PHASES)
+                     + f" | {ph['call']:.2f} | {ph['call'] / sparse_layers:.3f} |")
     return lines
 
 

@@ -303,3 +303,68 @@ def test_first_decode_is_the_one_step_of_a_two_token_run_after_the_index_is_clea
     first = e2e_decode.first_decode_ms({"CPU_ATTN": cpu_attn, "MAGICPIG": magicpig}, "p", reps=2)
     assert first == {"CPU_ATTN": 20.0, "MAGICPIG": 30.0}  # the recompute before the first token left out
     assert rpcs == ["magicpig_clear_index"] * 2  # before each of MAGICPIG's runs
+
+
+class _PhaseLLM:
+    """A fake engine whose worker RPCs answer like ``magicpig_phase_timers`` and ``magicpig_stats``: a run
+    of the row adds ``phase_s`` to the timers (while on) and its decodes to the counters."""
+
+    def __init__(self, phase_s: dict, sparse_s: float, decodes: int):
+        self.phase_s, self.sparse_s, self.decodes = phase_s, sparse_s, decodes
+        self.on, self.timers, self.stats, self.calls = False, {}, None, []
+        self.reset()
+
+    def reset(self):
+        self.stats = {"decode_sparse": 0, "decode_exact": {}, "sparse_seconds": 0.0}
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        self.calls.append(("generate", self.on))
+        if self.on:
+            self.timers = {k: self.timers.get(k, 0.0) + v for k, v in self.phase_s.items()}
+        self.stats["decode_sparse"] += self.decodes
+        self.stats["sparse_seconds"] += self.sparse_s
+        return [SimpleNamespace(metrics=SimpleNamespace(first_token_ts=0.0, last_token_ts=1.0)) for _ in prompts]
+
+    def collective_rpc(self, name, args=()):
+        self.calls.append((name, args))
+        if name == "magicpig_reset_stats":
+            self.reset()
+            return [None]
+        if name == "magicpig_stats":
+            return [dict(self.stats)]
+        assert name == "magicpig_phase_timers"
+        if args[0]:
+            self.on, self.timers = True, {}
+            return [{}]
+        self.on = False
+        return [dict(self.timers)]
+
+
+def test_engine_phases_split_the_sparse_call_per_step_and_leave_the_rest_as_set_up():
+    pytest.importorskip("vllm")
+    phase_s = {"queries": 0.010, "lookup": 0.030, "gather_logits": 0.030, "softmax_v": 0.020, "dense": 0.008,
+               "merge": 0.002}
+    # 10 steps of batch 2 over 3 sparse layers: 60 sparse decodes, 0.12 s in the ops call
+    llm = _PhaseLLM(phase_s, sparse_s=0.12, decodes=60)
+    ms = e2e_decode.engine_phases(llm, ["p", "q"], decode_tokens=10, batch=2, layers=3)
+    assert ms["lookup"] == 3.0 and ms["queries"] == 1.0 and ms["merge"] == 0.2
+    assert ms["call"] == 12.0 and ms["set_up"] == pytest.approx(12.0 - 10.0)
+    # the run is timed with the timers on, and the stats it leaves are reset for the next row
+    assert ("generate", True) in llm.calls and llm.stats["decode_sparse"] == 0
+    assert llm.calls[-1] == ("magicpig_reset_stats", ())
+
+
+def test_phase_table_gives_each_phase_and_the_call_per_sparse_layer():
+    rows = _rows()
+    for r in rows:
+        r["floor_ms_per_step"] = 20.0
+        if r["backend"] == "MAGICPIG":
+            r.update(sparse_ms_per_step=6.0, dense_layers=1.0, layers=4,
+                     sparse_phases_ms_per_step=dict(queries=0.5, lookup=2.0, gather_logits=1.5, softmax_v=1.0,
+                                                    dense=0.4, merge=0.1, call=6.0, set_up=0.5))
+    lines = e2e_decode.table_lines(rows, decode_tokens=32, cold_tokens=0)
+    head = next(i for i, line in enumerate(lines) if line.startswith("| threads | context | batch | queries"))
+    row = next(line for line in lines[head:] if line.startswith("| default | 16384 | 4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3:10] == ["0.50", "2.00", "1.50", "1.00", "0.40", "0.10", "0.50"]
+    assert cells[10] == "6.00" and cells[11] == "2.000"  # 6 ms over the 3 sparse layers

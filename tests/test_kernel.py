@@ -734,3 +734,19 @@ def test_active_isa_reported():
         assert kx.active_isa() == kx.cpu_isa()
     else:  # the cap, or the CPU's best below it
         assert kx.active_isa() == names[min(names.index(cap), names.index(kx.cpu_isa()))]
+
+
+def test_phase_timers_started_and_stopped_in_separate_calls_match_the_block():
+    """The eval extension's worker RPC ``magicpig_phase_timers`` starts the timers in one call and reads
+    them in another (the engine's worker between them)."""
+    from vllm_magicpig.eval.decode import _phase_timers
+
+    seed, gen = new_seed()
+    c = Case(gen, [900], 2, 4, 64, 8, 40)
+    assert _phase_timers(None, True) == {}
+    c.run(False)
+    busy = _phase_timers(None, False)
+    assert busy["lookup"] > 0 and busy["dense"] > 0, f"seed {seed}: {busy}"
+    c.run(False)  # timers off: nothing counted
+    after = dict(kx._C.profile())
+    assert all(v == 0 for v in after.values()), after

@@ -88,12 +88,24 @@ def profiling() -> Iterator[dict[str, float]]:
     not nest.
     """
     times: dict[str, float] = {}
-    _C.set_profiling(True)
+    start_phase_timers()
     try:
         yield times
     finally:
-        times.update(_C.profile())
-        _C.set_profiling(False)
+        times.update(stop_phase_timers())
+
+
+def start_phase_timers() -> None:
+    """Zero the kernel's phase timers and turn them on (:func:`profiling`, split in two for callers
+    that start and stop them in separate calls, such as a worker RPC)."""
+    _C.set_profiling(True)
+
+
+def stop_phase_timers() -> dict[str, float]:
+    """Turn the phase timers off and return their seconds per phase since :func:`start_phase_timers`."""
+    times = dict(_C.profile())
+    _C.set_profiling(False)
+    return times
 
 
 class Segment:

@@ -8,6 +8,8 @@
 * the run-time override and the worker RPCs ``magicpig_set_eval``,
   ``magicpig_set_decode_method``, ``magicpig_calibration`` and ``magicpig_clear_calibration``
   (:mod:`.settings`);
+* the worker RPC ``magicpig_phase_timers``: the kernel's phase timers in the engine's worker, for
+  the end-to-end benchmark's split of the sparse layers' time (``benchmarks/e2e_decode.py``);
 * the counter ``relative_error_per_layer`` (``measure_error=True``).
 
 :func:`install` is this package's ``vllm_magicpig.extensions`` entry point.
@@ -66,6 +68,17 @@ def _calibration(rt, clear: bool = False) -> dict:
     return centring.calibration_summary(ev)
 
 
+def _phase_timers(rt, on: bool) -> dict:
+    """``on=True``: zero the worker's kernel phase timers and start them; ``on=False``: stop them and
+    return seconds per phase since (process-wide, so with or without a MAGICPIG runtime)."""
+    from vllm_magicpig import kernel
+
+    if on:
+        kernel.start_phase_timers()
+        return {}
+    return kernel.stop_phase_timers()
+
+
 def _set_eval(rt, **kw):
     from vllm_magicpig.eval.decode.settings import set_eval
 
@@ -106,3 +119,4 @@ def install() -> None:
     extensions.register_worker_rpc("magicpig_set_decode_method", _set_decode_method)
     extensions.register_worker_rpc("magicpig_calibration", _calibration)
     extensions.register_worker_rpc("magicpig_clear_calibration", _clear_calibration)
+    extensions.register_worker_rpc("magicpig_phase_timers", _phase_timers)
