@@ -267,10 +267,14 @@ def _decodes(st: dict) -> int:
     return st["decode_sparse"] + sum(st["decode_exact"].values())
 
 
+def decode_steps(st: dict, batch: int, layers: int) -> float:
+    """Decode steps of the stats window, from its (request, layer) decodes (never 0: a divisor)."""
+    return max(_decodes(st) / (batch * layers), 1e-9)
+
+
 def sparse_ms_per_step(st: dict, batch: int, layers: int) -> float:
     """MAGICPIG's sparse-layer time (its own timer, index builds excluded) per decode step of the window."""
-    steps = _decodes(st) / (batch * layers)
-    return round(1000 * st["sparse_seconds"] / max(steps, 1e-9), 2)
+    return round(1000 * st["sparse_seconds"] / decode_steps(st, batch, layers), 2)
 
 
 def dense_layers_per_step(st: dict, batch: int, layers: int) -> float:
@@ -310,7 +314,7 @@ def engine_phases(llm, prompts, decode_tokens: int, batch: int, layers: int) -> 
         per_rank = llm.collective_rpc("magicpig_phase_timers", args=(False,))
     st = _stats(llm)
     llm.collective_rpc("magicpig_reset_stats")
-    steps = max(_decodes(st) / (batch * layers), 1e-9)
+    steps = decode_steps(st, batch, layers)
     ms = {k: round(1000 * sum(p[k] for p in per_rank) / steps, 3) for k in per_rank[0]}
     ms["call"] = round(1000 * st["sparse_seconds"] / steps, 3)
     ms["set_up"] = round(ms["call"] - sum(v for k, v in ms.items() if k != "call"), 3)

@@ -736,7 +736,7 @@ def test_active_isa_reported():
         assert kx.active_isa() == names[min(names.index(cap), names.index(kx.cpu_isa()))]
 
 
-def test_phase_timers_started_and_stopped_in_separate_calls_match_the_block():
+def test_phase_timers_started_and_stopped_in_separate_calls_count_only_between_them():
     """The eval extension's worker RPC ``magicpig_phase_timers`` starts the timers in one call and reads
     them in another (the engine's worker between them)."""
     from vllm_magicpig.eval.decode import _phase_timers
