@@ -21,37 +21,42 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
-}
+// A guard whose message is built only when it fails: DecodeStep::run checks every segment of every
+// layer, and building each message up front (a dozen to_string calls and concatenations) cost more
+// than the checks themselves on a step's hot path.
+#define MP_REQUIRE(ok, what)                                   \
+  do {                                                         \
+    if (!(ok)) throw std::invalid_argument(std::string(what)); \
+  } while (0)
 
 std::string num(int64_t v) { return std::to_string(v); }
 
 void check_kl(const char* fn, int K, int L) {
-  require(1 <= K && K <= 16, std::string(fn) + ": K must be in 1..16 (codes index a uint16 directory), got " + num(K));
-  require(L >= 2, std::string(fn) + ": L must be >= 2 (a key is sampled on >= 2 collisions), got " + num(L));
+  MP_REQUIRE(1 <= K && K <= 16,
+             std::string(fn) + ": K must be in 1..16 (codes index a uint16 directory), got " + num(K));
+  MP_REQUIRE(L >= 2, std::string(fn) + ": L must be >= 2 (a key is sampled on >= 2 collisions), got " + num(L));
 }
 
 // The vector loops step 16 lanes with no tail.
 void check_head_dim(const char* fn, int d) {
-  require(d > 0 && d % 16 == 0, std::string(fn) + ": d must be a positive multiple of 16, got " + num(d));
+  MP_REQUIRE(d > 0 && d % 16 == 0, std::string(fn) + ": d must be a positive multiple of 16, got " + num(d));
 }
 
 void check_dtype(const char* fn, int dtype) {
-  require(dtype == BF16 || dtype == FP16,
-          std::string(fn) + ": dtype code must be 0 (bf16) or 1 (fp16), got " + num(dtype));
+  MP_REQUIRE(dtype == BF16 || dtype == FP16,
+             std::string(fn) + ": dtype code must be 0 (bf16) or 1 (fp16), got " + num(dtype));
 }
 
 void check_ptr(const char* fn, const char* name, uintptr_t p) {
-  require(p != 0, std::string(fn) + ": " + name + " is a null pointer");
+  MP_REQUIRE(p != 0, std::string(fn) + ": " + name + " is a null pointer");
 }
 
 // The O(1) guards shared by build_segment and build_segment_from_codes.
 void check_segment_args(const char* fn, int n, int hkv, int d, int dtype, int K, int L, uintptr_t k, uintptr_t v,
                         uintptr_t c) {
-  require(1 <= n && n <= kMaxSegmentTokens,
-          std::string(fn) + ": n must be in 1.." + num(kMaxSegmentTokens) + ", got " + num(n));
-  require(hkv >= 1, std::string(fn) + ": hkv must be >= 1, got " + num(hkv));
+  MP_REQUIRE(1 <= n && n <= kMaxSegmentTokens,
+             std::string(fn) + ": n must be in 1.." + num(kMaxSegmentTokens) + ", got " + num(n));
+  MP_REQUIRE(hkv >= 1, std::string(fn) + ": hkv must be >= 1, got " + num(hkv));
   check_head_dim(fn, d);
   check_dtype(fn, dtype);
   check_kl(fn, K, L);
@@ -61,16 +66,16 @@ void check_segment_args(const char* fn, int n, int hkv, int d, int dtype, int K,
 }
 
 void check_mirror(const char* fn, int mirror) {
-  require(mirror == kMirrorCache || mirror == kMirrorInt8,
-          std::string(fn) + ": mirror must be 0 (the cache's dtype) or 1 (int8), got " + num(mirror));
+  MP_REQUIRE(mirror == kMirrorCache || mirror == kMirrorInt8,
+             std::string(fn) + ": mirror must be 0 (the cache's dtype) or 1 (int8), got " + num(mirror));
 }
 
 void check_segment(const char* fn, const Segment* s, int hkv, int d, int K, int L, int dtype) {
-  require(s != nullptr, std::string(fn) + ": segment is None");
-  require(s->hkv == hkv && s->d == d && s->K == K && s->L == L && s->dtype == dtype,
-          std::string(fn) + ": a segment's (Hkv, D, K, L, dtype code) = (" + num(s->hkv) + ", " + num(s->d) + ", " +
-              num(s->K) + ", " + num(s->L) + ", " + num(s->dtype) + "), the call's (" + num(hkv) + ", " + num(d) +
-              ", " + num(K) + ", " + num(L) + ", " + num(dtype) + ")");
+  MP_REQUIRE(s != nullptr, std::string(fn) + ": segment is None");
+  MP_REQUIRE(s->hkv == hkv && s->d == d && s->K == K && s->L == L && s->dtype == dtype,
+             std::string(fn) + ": a segment's (Hkv, D, K, L, dtype code) = (" + num(s->hkv) + ", " + num(s->d) + ", " +
+                 num(s->K) + ", " + num(s->L) + ", " + num(s->dtype) + "), the call's (" + num(hkv) + ", " + num(d) +
+                 ", " + num(K) + ", " + num(L) + ", " + num(dtype) + ")");
 }
 
 // The step-level half of a sparse_decode call (see DecodeStep's binding): the O(1) guards on the
@@ -81,25 +86,25 @@ class DecodeStep {
              std::vector<int64_t> ks, std::vector<int64_t> vs, uintptr_t bt, int max_blocks, int block_size,
              uintptr_t ranges, int out_dtype, bool force_scalar, int num_threads) {
     const char* fn = "sparse_decode";
-    require(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
-            std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
-    require(out_dtype == BF16 || out_dtype == FP32,
-            std::string(fn) + ": out_dtype must be 0 (bf16) or 2 (fp32), got " + num(out_dtype));
-    require(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
-    require(hkv >= 1 && H % hkv == 0,
-            std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
+    MP_REQUIRE(q_dtype == BF16 || q_dtype == FP16 || q_dtype == FP32,
+               std::string(fn) + ": q_dtype must be 0 (bf16), 1 (fp16) or 2 (fp32), got " + num(q_dtype));
+    MP_REQUIRE(out_dtype == BF16 || out_dtype == FP32,
+               std::string(fn) + ": out_dtype must be 0 (bf16) or 2 (fp32), got " + num(out_dtype));
+    MP_REQUIRE(R >= 0 && H >= 0, std::string(fn) + ": R and H must be >= 0, got " + num(R) + ", " + num(H));
+    MP_REQUIRE(hkv >= 1 && H % hkv == 0,
+               std::string(fn) + ": H (" + num(H) + ") must be a multiple of hkv (" + num(hkv) + ") >= 1");
     check_head_dim(fn, d);
     check_kl(fn, K, L);
     if (L_read == 0) L_read = L;
-    require(L_read >= 2 && L_read <= L,
-            std::string(fn) + ": L_read must be in 2..L (" + num(L) + ") or 0 for L, got " + num(L_read));
+    MP_REQUIRE(L_read >= 2 && L_read <= L,
+               std::string(fn) + ": L_read must be in 2..L (" + num(L) + ") or 0 for L, got " + num(L_read));
     check_dtype(fn, dtype);
     // 4 strides (block, slot, head, dim), or 8: those and the tiling (slot group, its stride, dim
     // group, its stride) of a tiled cache (AttnArgs::CacheTiles).
-    require((ks.size() == 4 || ks.size() == 8) && vs.size() == ks.size(),
-            std::string(fn) + ": cache strides must have 4 or 8 entries, the same for K and V");
-    require(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
-    require(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
+    MP_REQUIRE((ks.size() == 4 || ks.size() == 8) && vs.size() == ks.size(),
+               std::string(fn) + ": cache strides must have 4 or 8 entries, the same for K and V");
+    MP_REQUIRE(max_blocks >= 0, std::string(fn) + ": max_blocks must be >= 0, got " + num(max_blocks));
+    MP_REQUIRE(block_size > 0, std::string(fn) + ": block_size must be > 0, got " + num(block_size));
     if (R > 0 && H > 0) check_ptr(fn, "ranges", ranges);  // the block table may be empty
     a_.R = R;
     a_.H = H;
@@ -117,8 +122,8 @@ class DecodeStep {
     }
     auto tiles = [&](const std::vector<int64_t>& s, const char* name) {
       if (s.size() == 4) return AttnArgs::CacheTiles{block_size, 0, d, 0};
-      require(s[4] >= 1 && s[6] >= 1,
-              std::string(fn) + ": " + name + " tile sizes must be >= 1, got " + num(s[4]) + ", " + num(s[6]));
+      MP_REQUIRE(s[4] >= 1 && s[6] >= 1,
+                 std::string(fn) + ": " + name + " tile sizes must be >= 1, got " + num(s[4]) + ", " + num(s[6]));
       return AttnArgs::CacheTiles{s[4], s[5], s[6], s[7]};
     };
     a_.kt = tiles(ks, "ks");
@@ -139,16 +144,16 @@ class DecodeStep {
               uintptr_t lse, uintptr_t counts) const {
     const char* fn = "sparse_decode";
     const int R = a_.R;
-    require(segs.size() == static_cast<size_t>(R),
-            std::string(fn) + ": segs has " + num(segs.size()) + " entries for R=" + num(R) + " requests");
-    require((qcodes != 0) == (qdc != 0), std::string(fn) + ": qcodes and qdc are given together or not at all");
+    MP_REQUIRE(segs.size() == static_cast<size_t>(R),
+               std::string(fn) + ": segs has " + num(segs.size()) + " entries for R=" + num(R) + " requests");
+    MP_REQUIRE((qcodes != 0) == (qdc != 0), std::string(fn) + ": qcodes and qdc are given together or not at all");
     if (qcodes == 0) {
-      require(centres.size() == static_cast<size_t>(R),
-              std::string(fn) + ": centres has " + num(centres.size()) + " entries for R=" + num(R) + " requests");
+      MP_REQUIRE(centres.size() == static_cast<size_t>(R),
+                 std::string(fn) + ": centres has " + num(centres.size()) + " entries for R=" + num(R) + " requests");
       if (R > 0 && a_.H > 0) check_ptr(fn, "w", reinterpret_cast<uintptr_t>(a_.w));
       for (int r = 0; r < R; ++r)
-        require(centres[r] != 0 || segs[r].empty(),
-                std::string(fn) + ": request " + num(r) + " has segments but no centre");
+        MP_REQUIRE(centres[r] != 0 || segs[r].empty(),
+                   std::string(fn) + ": request " + num(r) + " has segments but no centre");
     }
     if (R > 0 && a_.H > 0) {  // then these tensors are non-empty; the caches may be empty
       check_ptr(fn, "q", q);
@@ -261,8 +266,8 @@ PYBIND11_MODULE(_C, m) {
         const char* fn = "build_segment_from_codes";
         check_segment_args(fn, n, hkv, d, dtype, K, L, k, v, c);
         check_ptr(fn, "codes", codes);
-        require(code_bytes == 2 || code_bytes == 4,
-                std::string(fn) + ": code_bytes must be 2 (uint16) or 4 (int32), got " + num(code_bytes));
+        MP_REQUIRE(code_bytes == 2 || code_bytes == 4,
+                   std::string(fn) + ": code_bytes must be 2 (uint16) or 4 (int32), got " + num(code_bytes));
         check_mirror(fn, mirror);
         py::gil_scoped_release nogil;
         return build_segment_from_codes(ptr<const uint16_t>(k), ptr<const uint16_t>(v), n, hkv, d, dtype,
@@ -278,12 +283,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "merge_segments",
       [](const std::vector<std::shared_ptr<Segment>>& parts, int num_threads) {
-        require(!parts.empty(), "merge_segments: no segments");
+        MP_REQUIRE(!parts.empty(), "merge_segments: no segments");
         const Segment* a = parts[0].get();
-        require(a != nullptr, "merge_segments: segment is None");
+        MP_REQUIRE(a != nullptr, "merge_segments: segment is None");
         for (const auto& p : parts) {
           check_segment("merge_segments", p.get(), a->hkv, a->d, a->K, a->L, a->dtype);
-          require(p->mirror == a->mirror, "merge_segments: segments with different mirrors (cache dtype / int8)");
+          MP_REQUIRE(p->mirror == a->mirror, "merge_segments: segments with different mirrors (cache dtype / int8)");
         }
         std::vector<SegmentPtr> cp(parts.begin(), parts.end());
         py::gil_scoped_release nogil;
@@ -295,9 +300,9 @@ PYBIND11_MODULE(_C, m) {
       "hash_codes",
       [](uintptr_t x, int N, int d, uintptr_t w, int K, int L, uintptr_t out, bool force_scalar, int num_threads) {
         const char* fn = "hash_codes";
-        require(N >= 0, std::string(fn) + ": N must be >= 0, got " + num(N));
+        MP_REQUIRE(N >= 0, std::string(fn) + ": N must be >= 0, got " + num(N));
         // Any d > 0: hashing has no 16-lane loop over d.
-        require(d > 0, std::string(fn) + ": d must be > 0, got " + num(d));
+        MP_REQUIRE(d > 0, std::string(fn) + ": d must be > 0, got " + num(d));
         check_kl(fn, K, L);
         if (N == 0) return;
         check_ptr(fn, "x", x);

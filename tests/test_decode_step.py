@@ -180,3 +180,33 @@ def test_the_ops_seam_reuses_a_step_for_the_layers_of_one_plan_only():
     assert call(bt=strided) is not made  # a copy of the table could go stale: never reused
     ref_out, _, _ = single_call(c, c.query, list(c.centres), c.segs, c.kview, c.vview, c.W, K, L)
     assert torch.equal(out, ref_out), f"seed={seed}"
+
+
+def test_the_ops_seam_checks_a_layers_tensors_once_and_still_refuses_a_bad_one():
+    """The seam asks the step whether it serves a layer's query, caches and output, then lets
+    ``attend`` skip those checks (``served=True``). A layer whose output or value cache does not fit
+    the step must then get a new step, whose construction names the problem, never a native call
+    over the wrong geometry."""
+    seed, gen = new_seed()
+    K, L = 6, 20
+    c = Case(gen, [300, 129], 2, 3, 64, K, L)
+    ops = CpuKernelOps()
+    kv = KVViews(c.kview, c.vview)
+    out = torch.empty_like(c.query)
+
+    def call(out=out, kv=kv):
+        return ops.attend_queries(c.query, c.W, list(c.centres), c.segs, kv, c.bt, c.dense_ranges, c.scale, K, L, out)
+
+    assert call() > 0
+    first = ops._step
+    assert first.serves(c.query, c.kview, c.vview, out, c.bt, c.dense_ranges, c.W, K, L)
+    assert not first.serves(c.query, c.kview, c.vview, out.float(), c.bt, c.dense_ranges, c.W, K, L)
+    assert not first.serves(c.query, c.kview, c.vview[:-1], out, c.bt, c.dense_ranges, c.W, K, L)
+    assert not first.serves(c.query[:1], c.kview, c.vview, out, c.bt, c.dense_ranges, c.W, K, L)
+    with pytest.raises(TypeError, match="out dtype"):
+        call(out=out.float())
+    with pytest.raises(ValueError, match="value_cache"):
+        call(kv=KVViews(c.kview, c.vview[:-1]))
+    assert call() > 0  # a good layer after the refusals: a step made anew, the same result
+    ref_out, _, _ = single_call(c, c.query, list(c.centres), c.segs, c.kview, c.vview, c.W, K, L)
+    assert torch.equal(out, ref_out), f"seed={seed}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_magicpig.index import IndexStore, SegmentRef
+from vllm_magicpig.index import IndexStore, SegmentKey, SegmentRef
 from vllm_magicpig.stats import Stats
 
 LAYER, OTHER = "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"
@@ -176,3 +176,33 @@ def test_centre_ids_are_never_reused_after_a_clear(store):
     first = store.new_centre((1, 2), 4, 256)
     store.clear()
     assert store.new_centre((3, 4), 4, 256).cid > first.cid
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_a_segment_key_equals_and_hashes_as_its_plain_tuple():
+    blocks = tuple(range(1000, 1128))
+    key = SegmentKey(3, 0, 16384, blocks)
+    plain = (3, 0, 16384, blocks)
+    assert key == plain and hash(key) == hash(plain)
+    assert {plain: 1}[key] == 1 and {key: 2}[plain] == 2
+    assert SegmentKey(3, 0, 16384, blocks[:-1] + (7,)) != key
+
+
+def test_the_store_hands_out_the_key_object_its_segments_are_held_under(store):
+    """So a layer's lookup of a planned key compares by identity; a key no layer holds any more is
+    not handed out (the table would otherwise grow with every prompt ever served)."""
+    blocks = (5, 6, 7, 8)
+    held = SegmentKey(1, 0, 256, blocks)
+    fresh = SegmentKey(1, 0, 256, blocks)
+    assert store.canonical_key(fresh) is fresh  # nothing held yet
+    store.get_or_build(LAYER, SegmentRef(held, 4), build, merge)
+    store.get_or_build(OTHER, SegmentRef(held, 4), build, merge)
+    assert store.canonical_key(fresh) is held
+    assert store.get_segment(LAYER, fresh) is store.get_segment(LAYER, held) is not None
+    store.drop_segment(LAYER, held)
+    assert store.canonical_key(fresh) is held  # the other layer still holds it
+    store.drop_segment(OTHER, held)
+    assert store.canonical_key(fresh) is fresh
+    assert store._canonical == {}

@@ -38,8 +38,26 @@ import torch
 
 from vllm_magicpig.stats import Stats
 
-SegmentKey = tuple  # (cid, start_token, size, block_ids tuple)
 Segment = Any  # an ops-level segment: has index_bytes and mirror_bytes
+
+
+class SegmentKey(tuple):
+    """(centre id, first token, size, block ids), hashed once. Every sparse layer looks its
+    segments up by key at every step, and a plain tuple hashes its block ids (128 of them at 16K
+    tokens) at every lookup, three lookups a segment. Equal to the plain tuple of its fields (and
+    hashed the same), so either finds the other's entries; the store hands out one object per key
+    (:meth:`IndexStore.canonical_key`), so a lookup's comparison stops at identity."""
+
+    def __new__(cls, cid: int, start: int, size: int, blocks: tuple[int, ...]) -> "SegmentKey":
+        key = super().__new__(cls, (cid, start, size, blocks))
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return SegmentKey, tuple(self)
 
 
 def segment_owner(layer: str, K: int, L: int) -> tuple[str, int, int]:
@@ -100,6 +118,7 @@ class IndexStore:
         self._last_used: dict[tuple[str, SegmentKey], int] = {}
         self._keys_by_cid: dict[int, set[SegmentKey]] = defaultdict(set)
         self._layers_by_key: dict[SegmentKey, set[str]] = defaultdict(set)
+        self._canonical: dict[SegmentKey, SegmentKey] = {}  # a held key -> the object it is held under
         # block id -> what depends on it
         self._block_segments: dict[int, set[SegmentKey]] = defaultdict(set)
         self._block_centres: dict[int, set[int]] = defaultdict(set)
@@ -195,12 +214,12 @@ class IndexStore:
         cid, start, size, blocks = ref.key
         block_size = size // len(blocks)
         for shorter in range(size - self.grow_step, 0, -self.grow_step):
-            base_key = (cid, start, shorter, blocks[: shorter // block_size])
+            base_key = SegmentKey(cid, start, shorter, blocks[: shorter // block_size])
             base = self.peek_segment(layer, base_key)
             if base is None:
                 continue
-            rest = self._build(build, SegmentRef((cid, start + shorter, size - shorter,
-                                                  blocks[shorter // block_size :]), start + shorter))
+            rest = self._build(build, SegmentRef(SegmentKey(cid, start + shorter, size - shorter,
+                                                            blocks[shorter // block_size :]), start + shorter))
             t0 = time.perf_counter()
             seg = merge([base, rest])
             self.stats.build_seconds += time.perf_counter() - t0
@@ -256,6 +275,12 @@ class IndexStore:
         self.step += 1
 
     # ------------------------------------------------------------------ segments
+    def canonical_key(self, key: SegmentKey) -> SegmentKey:
+        """The key object segments equal to ``key`` are held under, if any layer holds one; else
+        ``key``. The planner makes a step's keys through this, so the layers' lookups compare keys
+        by identity rather than block id by block id."""
+        return self._canonical.get(key, key)
+
     def get_segment(self, layer: Hashable, key: SegmentKey) -> Segment | None:
         k = (layer, key)
         seg = self._segments.get(k)
@@ -277,6 +302,7 @@ class IndexStore:
         self._last_used[k] = self.step
         self._keys_by_cid[key[0]].add(key)
         self._layers_by_key[key].add(layer)
+        self._canonical.setdefault(key, key)
         for b in key[3]:
             self._block_segments[b].add(key)
         self.index_bytes += seg.index_bytes
@@ -295,6 +321,7 @@ class IndexStore:
             layers.discard(layer)
             if not layers:
                 del self._layers_by_key[key]
+                self._canonical.pop(key, None)
                 self._keys_by_cid.get(key[0], set()).discard(key)
                 for b in key[3]:
                     refs = self._block_segments.get(b)

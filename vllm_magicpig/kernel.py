@@ -424,25 +424,37 @@ class DecodeStep:
                                 self.block_table.data_ptr(), max_blocks, block_size, self.dense_ranges.data_ptr(),
                                 _OUT_CODE[self._odtype], bool(force_scalar), nt)
 
-    def serves(self, query, key_cache, block_table, dense_ranges, projection, K: int, L: int,
+    def serves(self, query, key_cache, value_cache, out, block_table, dense_ranges, projection, K: int, L: int,
                L_read: int | None = None) -> bool:
         """Whether a layer with these inputs can run on this step: the same block table, dense
         ranges and projection objects the step reads (so never one it could only read through a copy
-        it made), the same (K, L, L_read), and a query and cache of the step's geometry. Identity, not
-        equality: an engine's next step brings new tensors, and the step holds these, so their ids
-        cannot be reused while it lives."""
-        return (block_table is self.block_table and dense_ranges is self.dense_ranges
+        it made), the same (K, L, L_read), and a query, output and caches of the step's geometry
+        (each checked as :meth:`attend` checks it, so a caller that asked may pass ``served=True``
+        there). Identity, not equality, for what the step holds: an engine's next step brings new
+        tensors, and the step holds these, so their ids cannot be reused while it lives."""
+        if not (block_table is self.block_table and dense_ranges is self.dense_ranges
                 and projection is self.projection and K == self.K and L == self.L
-                and (L if L_read is None else L_read) == self.L_read and query.shape == self._qshape
-                and query.dtype is self._qdtype and key_cache.shape == self._caches[0][0]
-                and key_cache.stride() == self._caches[0][1])
+                and (L if L_read is None else L_read) == self.L_read):
+            return False
+        shape, dtype = self._qshape, self._qdtype
+        if not (isinstance(query, torch.Tensor) and query.shape == shape and query.dtype is dtype and query.is_cpu
+                and isinstance(out, torch.Tensor) and out.shape == shape and out.dtype is dtype and out.is_cpu):
+            return False
+        dtype = self._cache_dtype
+        for t, (shape, stride) in zip((key_cache, value_cache), self._caches):
+            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride and t.dtype is dtype
+                    and t.is_cpu):
+                return False
+        return True
 
     def attend(self, query, centres, segments, key_cache, value_cache, out, *, scale: float, lse=None,
-               sampled_counts=None) -> int:
+               sampled_counts=None, served: bool = False) -> int:
         """One layer's decode, hashing its queries with the step's projection: ``centres`` holds
         each request's float32 centre ``[Hkv, D]``, or None for a request with no segments (served
         exactly). Writes ``out`` (and ``lse``, ``sampled_counts``); returns the sampled keys summed
-        over requests and heads."""
+        over requests and heads. ``served``: :meth:`serves` said yes to these very ``query``,
+        caches and ``out`` (or the step was just made from them), so their checks are not made
+        twice (the engine's path: a sparse layer's Python costs in the engine, cold between layers)."""
         if self.projection is None:
             raise ValueError("this DecodeStep was made without a projection: call attend_codes with the query codes")
         if not isinstance(centres, (list, tuple)):
@@ -463,7 +475,8 @@ class DecodeStep:
                 _shape(f"centres[{r}]", c, shape)
                 raise ValueError(f"centres[{r}] must be contiguous")
             ptrs.append(c.data_ptr())
-        return self._run(query, 0, 0, ptrs, segments, key_cache, value_cache, out, scale, lse, sampled_counts)
+        return self._run(query, 0, 0, ptrs, segments, key_cache, value_cache, out, scale, lse, sampled_counts,
+                         served)
 
     def attend_codes(self, query, query_codes, query_dot_centre, segments, key_cache, value_cache, out, *,
                      scale: float, lse=None, sampled_counts=None, check_values: bool = True) -> int:
@@ -483,24 +496,13 @@ class DecodeStep:
                          sampled_counts)
 
     def _run(self, query, qc_ptr, qdc_ptr, centre_ptrs, segments, key_cache, value_cache, out, scale, lse,
-             sampled_counts) -> int:
-        # A layer's own tensors, against the step: one comparison each on the hot path, the
-        # precise message only when it fails.
-        if not (isinstance(query, torch.Tensor) and query.shape == self._qshape and query.dtype is self._qdtype
-                and query.is_cpu):
-            self._mismatch("query", query, self._qshape, self._qdtype)
-        if not (isinstance(out, torch.Tensor) and out.shape == self._qshape and out.dtype is self._qdtype
-                and out.is_cpu):
-            self._mismatch("out", out, self._qshape, self._qdtype)
-        dtype = self._cache_dtype
-        for name, t, (shape, stride) in zip(("key_cache", "value_cache"), (key_cache, value_cache), self._caches):
-            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride and t.dtype is dtype
-                    and t.is_cpu):
-                _tensor(name, t)
-                raise ValueError(f"{name} must match the step's cache: shape {list(shape)}, strides {stride}, "
-                                 f"dtype {dtype}; got {list(t.shape)}, {t.stride()}, {t.dtype}")
-        _check_optional_out("lse", lse, torch.float32, (self.R, self.H))
-        _check_optional_out("sampled_counts", sampled_counts, torch.int64, (self.R, self.H))
+             sampled_counts, served: bool = False) -> int:
+        if not served:
+            self._check_layer_tensors(query, key_cache, value_cache, out)
+        if lse is not None:
+            _check_optional_out("lse", lse, torch.float32, (self.R, self.H))
+        if sampled_counts is not None:
+            _check_optional_out("sampled_counts", sampled_counts, torch.int64, (self.R, self.H))
         if not isinstance(segments, (list, tuple)) or len(segments) != self.R:
             raise ValueError(f"segments must be a list of R={self.R} lists of Segment")
         try:  # the native call checks each segment's (Hkv, D, K, L, dtype)
@@ -520,6 +522,23 @@ class DecodeStep:
         if not direct:
             out.copy_(o)
         return sampled
+
+    def _check_layer_tensors(self, query, key_cache, value_cache, out) -> None:
+        # A layer's own tensors, against the step: one comparison each, the precise message only
+        # when it fails.
+        if not (isinstance(query, torch.Tensor) and query.shape == self._qshape and query.dtype is self._qdtype
+                and query.is_cpu):
+            self._mismatch("query", query, self._qshape, self._qdtype)
+        if not (isinstance(out, torch.Tensor) and out.shape == self._qshape and out.dtype is self._qdtype
+                and out.is_cpu):
+            self._mismatch("out", out, self._qshape, self._qdtype)
+        dtype = self._cache_dtype
+        for name, t, (shape, stride) in zip(("key_cache", "value_cache"), (key_cache, value_cache), self._caches):
+            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride and t.dtype is dtype
+                    and t.is_cpu):
+                _tensor(name, t)
+                raise ValueError(f"{name} must match the step's cache: shape {list(shape)}, strides {stride}, "
+                                 f"dtype {dtype}; got {list(t.shape)}, {t.stride()}, {t.dtype}")
 
     @staticmethod
     def _mismatch(name, t, shape, dtype):

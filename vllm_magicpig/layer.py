@@ -44,6 +44,8 @@ class SparseLayer:
         return kv
 
     def _bind(self, st: StepSettings) -> None:
+        if st is self.ctx.settings:  # the runtime's settings object, the same step after step unless hooks change it
+            return
         self.ctx.settings = st
         self.ctx.projection = self.ctx.runtime.projection(self.ctx.head_size, st.K, st.L)
 
@@ -97,10 +99,11 @@ class SparseLayer:
     # ------------------------------------------------------------------ accounting
     def _account(self, plan: DecodePlan, result: DecodeResult, label: str | None) -> None:
         stats = self.ctx.runtime.stats
-        for reason in plan.exact_reason.values():
-            stats.decode_exact[reason] += 1
-        for reason in result.exact.values():
-            stats.decode_exact[reason] += 1
+        if plan.exact_reason or result.exact:  # none in a step that samples every request
+            for reason in plan.exact_reason.values():
+                stats.decode_exact[reason] += 1
+            for reason in result.exact.values():
+                stats.decode_exact[reason] += 1
         if result.served:
             stats.decode_sparse += len(result.served)
             stats.decode_by_method[label] += len(result.served)

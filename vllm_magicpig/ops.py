@@ -107,10 +107,14 @@ class CpuKernelOps:
                        sampled_counts=None, L_read=None):
         # The sparse layers of a step pass the plan's block table, dense ranges and the shared
         # projection: the checks of those are made once, by the step's first layer (kernel.DecodeStep).
+        # serves() checks this layer's query, caches and output, or the new step was made from them:
+        # either way attend need not check them again.
         step = self._step
-        if step is None or not step.serves(query, kv.key, block_table, dense_ranges, projection, K, L, L_read):
+        if step is None or not step.serves(query, kv.key, kv.value, out, block_table, dense_ranges, projection, K, L,
+                                           L_read):
             step = self._step = self._kernel.DecodeStep(
                 query=query, key_cache=kv.key, value_cache=kv.value, out=out, block_table=block_table,
                 dense_ranges=dense_ranges, K=K, L=L, projection=projection, L_read=L_read, check_values=False,
                 num_threads=self.num_threads)
-        return step.attend(query, centres, segments, kv.key, kv.value, out, scale=scale, sampled_counts=sampled_counts)
+        return step.attend(query, centres, segments, kv.key, kv.value, out, scale=scale, sampled_counts=sampled_counts,
+                           served=True)

@@ -17,7 +17,7 @@ import torch
 
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import EXACT
-from vllm_magicpig.index import CentreSpec, IndexStore, SegmentRef
+from vllm_magicpig.index import CentreSpec, IndexStore, SegmentKey, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
 from vllm_magicpig.stats import (
     EXACT_INDEX_DEFERRED,
@@ -252,7 +252,8 @@ class StepPlanner:
             refs = []
             for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):
                 blocks = tuple(row[start // bs : (start + size) // bs])
-                refs.append(SegmentRef((spec.cid, start, size, blocks), max(start, cfg.sink_tokens)))
+                key = self.index.canonical_key(SegmentKey(spec.cid, start, size, blocks))
+                refs.append(SegmentRef(key, max(start, cfg.sink_tokens)))
             if background and not self.indexer.ready(spec, refs, settings):
                 plan.exact_reason[r] = EXACT_INDEXING
                 continue
