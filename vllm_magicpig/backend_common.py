@@ -147,7 +147,7 @@ class MagicPigBuilderMixin:
         full = super().build(common_prefix_len, cam, fast_build)
         num_decodes, num_prefills, num_decode_tokens = decodes_and_prefills(cam)
         rt = self.runtime
-        rt.fold_exact_tally()  # the previous step's, before the cost model plans this one
+        rt.fold_tallies()  # the previous step's, before the cost model plans this one
         stats = rt.stats
         stats.steps += 1
         if num_prefills:
@@ -287,5 +287,5 @@ class MagicPigImplMixin:
         self.sparse_layer.forward(query, kv, plan, output)
         if rt.cost is not None and not plan.exact_reason and plan.timed:  # all sampled: its cost, less builds
             seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
-            rt.cost.observe_sparse(len(plan.sparse), plan.context_keys, seconds)
+            rt.sparse_tally.timed(len(plan.sparse), plan.context_keys, seconds)
 

@@ -105,10 +105,9 @@ class SparseLayer:
             for reason in result.exact.values():
                 stats.decode_exact[reason] += 1
         if result.served:
-            stats.decode_sparse += len(result.served)
-            stats.decode_by_method[label] += len(result.served)
             candidates = sum(plan.covered[r] for r in result.served) * self.ctx.num_heads
-            stats.add_sampled(self.ctx.name, result.sampled, candidates)
+            # one record, folded with the step's others (sparse_tally.py)
+            self.ctx.runtime.sparse_tally.served(self.ctx.name, label, len(result.served), result.sampled, candidates)
             if budget_applies(plan.settings):
                 budget, target, H = self.ctx.runtime.budget, plan.settings.target_cost, self.ctx.num_heads
                 budget.add_sampled(target, self.ctx.name, result.sampled, candidates)

@@ -24,6 +24,7 @@ from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
 from vllm_magicpig.magicpig_decode import build_segment_from_cache
 from vllm_magicpig.ops import CpuKernelOps, SparseDecodeOps
 from vllm_magicpig.planner import StepSettings
+from vllm_magicpig.sparse_tally import SparseTally
 from vllm_magicpig.stats import Stats
 
 
@@ -83,9 +84,11 @@ class MagicPigRuntime:
             enabled=cfg.background_index and decode_methods.MAGICPIG not in self.methods)  # a platform's own
         # MAGICPIG method (the split decode on CUDA) builds its own way, at the first decode
         self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
-        # the latest step's layers served by the platform kernel, folded when read (exact_tally.py)
+        # the latest step's layers served by the platform kernel, and the sparse layers' records,
+        # folded when read or at the next step's plan (exact_tally.py, sparse_tally.py)
         self._exact_tally: ExactTally | None = None
-        self.stats.add_flush(self.fold_exact_tally)
+        self.sparse_tally = SparseTally()
+        self.stats.add_flush(self.fold_tallies)
         extensions.load()
         self._config_settings = StepSettings.from_config(cfg)  # the config is immutable: once
         for init in extensions.RUNTIME_INITS:
@@ -106,10 +109,12 @@ class MagicPigRuntime:
         """The new step's tally (the builder folded the previous one before planning)."""
         self._exact_tally = tally
 
-    def fold_exact_tally(self) -> None:
-        """Count what the platform kernel served so far (every stats read and step plan calls this)."""
+    def fold_tallies(self) -> None:
+        """Count what the platform kernel and the sparse layers served so far (every stats read and
+        step plan calls this)."""
         if self._exact_tally is not None:
             self._exact_tally.fold(self.stats, self.cost)
+        self.sparse_tally.fold(self.stats, self.cost)
 
     def step_settings(self) -> StepSettings:
         """The config's settings, after the settings hooks attached to this runtime."""
