@@ -54,59 +54,87 @@ inline void pack_from_masks(const uint16_t* m, int K, int L, uint16_t* codes) {
   }
 }
 
-// 4 rows x 64 columns per tile: 16 accumulators, so each step of the d loop loads 4 W vectors and
-// broadcasts 4 x values for 16 FMAs (the load ports, not the FMA units, bounded a 4 x 16 tile);
-// columns left over go 16 at a time (masked tail). The signs are kept as 16-bit masks, and the
-// codes cut from them (pack_from_masks) without a byte per bit.
+// Rows in groups of up to kHashMaxRows, 64 columns per tile: NR x 4 accumulators, so each step of
+// the d loop loads 4 W vectors and broadcasts NR x values for 4 NR FMAs (6 rows: 24 accumulators,
+// 4 W vectors and a broadcast, inside the 32 zmm registers). A group's size follows the rows left
+// (9 query heads: 5 + 4), where fixed groups of 4 computed 12 rows for 9 and read W three times.
+// Columns left over go 16 at a time (masked tail). A column's sum is x[0] w[0] + ... + x[d-1] w[d-1]
+// by FMA from zero whatever the group, so the codes do not depend on the grouping. The signs are
+// kept as 16-bit masks, and the codes cut from them (pack_from_masks) without a byte per bit.
 #define MP_HASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+constexpr int kHashMaxRows = 6;
+
+template <int NR>
+MP_HASH_AVX512 void hash_group_avx512(const float* const* xr, int d, const float* w, int ldw, int C, uint16_t* masks,
+                                      int stride) {
+  const __m512 z = _mm512_setzero_ps();
+  int c0 = 0;
+  for (; c0 + 64 <= C; c0 += 64) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = z;
+    for (int i = 0; i < d; ++i) {
+      const float* wi = w + static_cast<size_t>(i) * ldw + c0;
+      const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16), w2 = _mm512_loadu_ps(wi + 32),
+                   w3 = _mm512_loadu_ps(wi + 48);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xb = _mm512_set1_ps(xr[r][i]);
+        acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k)
+        masks[static_cast<size_t>(r) * stride + c0 / 16 + k] = _mm512_cmp_ps_mask(acc[r][k], z, _CMP_GT_OQ);
+  }
+  for (; c0 < C; c0 += 16) {
+    const __mmask16 m = (C - c0 >= 16) ? 0xffff : static_cast<__mmask16>((1u << (C - c0)) - 1);
+    __m512 a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = z;
+    for (int i = 0; i < d; ++i) {
+      const __m512 wv = _mm512_maskz_loadu_ps(m, w + static_cast<size_t>(i) * ldw + c0);
+      for (int r = 0; r < NR; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][i]), wv, a[r]);
+    }
+    // masked-off lanes summed zeros: their bits are 0 and never read
+    for (int r = 0; r < NR; ++r)
+      masks[static_cast<size_t>(r) * stride + c0 / 16] = _mm512_cmp_ps_mask(a[r], z, _CMP_GT_OQ);
+  }
+}
+
 MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int ldw, int K, int L,
                                      uint16_t* codes, int ldc) {
   const int C = K * L, stride = (C + 15) / 16 + 2;  // + 2 words: pack_from_masks reads 4 bytes
-  std::vector<uint16_t> masks(static_cast<size_t>(4) * stride, 0);
-  const __m512 z = _mm512_setzero_ps();
-  for (int t0 = 0; t0 < T; t0 += 4) {
-    const int nt = std::min(4, T - t0);
-    const float* xr[4];
-    for (int r = 0; r < 4; ++r) xr[r] = x + static_cast<size_t>(t0 + std::min(r, nt - 1)) * d;
-    int c0 = 0;
-    for (; c0 + 64 <= C; c0 += 64) {
-      __m512 acc[4][4];
-      for (int r = 0; r < 4; ++r)
-        for (int k = 0; k < 4; ++k) acc[r][k] = z;
-      for (int i = 0; i < d; ++i) {
-        const float* wi = w + static_cast<size_t>(i) * ldw + c0;
-        const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16), w2 = _mm512_loadu_ps(wi + 32),
-                     w3 = _mm512_loadu_ps(wi + 48);
-        for (int r = 0; r < 4; ++r) {
-          const __m512 xb = _mm512_set1_ps(xr[r][i]);
-          acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-          acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-          acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-        }
-      }
-      for (int r = 0; r < 4; ++r)
-        for (int k = 0; k < 4; ++k)
-          masks[static_cast<size_t>(r) * stride + c0 / 16 + k] = _mm512_cmp_ps_mask(acc[r][k], z, _CMP_GT_OQ);
+  std::vector<uint16_t> masks(static_cast<size_t>(kHashMaxRows) * stride, 0);
+  for (int t0 = 0; t0 < T;) {
+    const int groups = (T - t0 + kHashMaxRows - 1) / kHashMaxRows;  // the rows left, in even groups (7: 4 + 3)
+    const int nr = (T - t0 + groups - 1) / groups;
+    const float* xr[kHashMaxRows];
+    for (int r = 0; r < nr; ++r) xr[r] = x + static_cast<size_t>(t0 + r) * d;
+    switch (nr) {
+      case 6:
+        hash_group_avx512<6>(xr, d, w, ldw, C, masks.data(), stride);
+        break;
+      case 5:
+        hash_group_avx512<5>(xr, d, w, ldw, C, masks.data(), stride);
+        break;
+      case 4:
+        hash_group_avx512<4>(xr, d, w, ldw, C, masks.data(), stride);
+        break;
+      case 3:
+        hash_group_avx512<3>(xr, d, w, ldw, C, masks.data(), stride);
+        break;
+      case 2:
+        hash_group_avx512<2>(xr, d, w, ldw, C, masks.data(), stride);
+        break;
+      default:
+        hash_group_avx512<1>(xr, d, w, ldw, C, masks.data(), stride);
+        break;
     }
-    for (; c0 < C; c0 += 16) {
-      const __mmask16 m = (C - c0 >= 16) ? 0xffff : static_cast<__mmask16>((1u << (C - c0)) - 1);
-      __m512 a0 = z, a1 = z, a2 = z, a3 = z;
-      for (int i = 0; i < d; ++i) {
-        const __m512 wv = _mm512_maskz_loadu_ps(m, w + static_cast<size_t>(i) * ldw + c0);
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(xr[0][i]), wv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(xr[1][i]), wv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_set1_ps(xr[2][i]), wv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_set1_ps(xr[3][i]), wv, a3);
-      }
-      const int word = c0 / 16;  // masked-off lanes summed zeros: their bits are 0 and never read
-      masks[word] = _mm512_cmp_ps_mask(a0, z, _CMP_GT_OQ);
-      masks[stride + word] = _mm512_cmp_ps_mask(a1, z, _CMP_GT_OQ);
-      masks[2 * static_cast<size_t>(stride) + word] = _mm512_cmp_ps_mask(a2, z, _CMP_GT_OQ);
-      masks[3 * static_cast<size_t>(stride) + word] = _mm512_cmp_ps_mask(a3, z, _CMP_GT_OQ);
-    }
-    for (int r = 0; r < nt; ++r)
+    for (int r = 0; r < nr; ++r)
       pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
+    t0 += nr;
   }
 }
 

@@ -59,37 +59,54 @@ Heads load_heads(const AttnArgs& args, const Unit& unit, Isa isa, Scratch& scrat
 // the query heads of every request with segments (hash_rows, the arithmetic that hashed the keys,
 // so a query and a key with equal rows get equal codes) and q . centre of each head with its KV
 // head's centre (summed in double). Requests without segments get zeros: their codes are never read.
-// Jobs are (request, block of tables), enough of them to give every thread one even at batch 1
+// The heads of all those requests go through one hash call per block of tables, so W (d x K*L
+// floats, 384 KB at d = 64) is read once per block, not once per request, and the row groups fill
+// (4 requests' 36 heads: 6 groups of 6). The blocks give every thread a share even at batch 1
 // (hashing one request's heads is ~20% of a 16K-token layer there); a column's arithmetic does not
 // depend on its block, so the codes do not depend on the team size.
 void prepare_queries(const AttnArgs& args, int nt, std::vector<int32_t>& qcodes, std::vector<float>& qdc) {
   const int R = args.R, H = args.H, d = args.d, K = args.K, L = args.L, G = args.H / args.hkv;
   qcodes.assign(static_cast<size_t>(R) * H * L, 0);
   qdc.assign(static_cast<size_t>(R) * H, 0.f);
-  const int parts = R >= nt ? 1 : std::min(L, (nt + R - 1) / std::max(R, 1));
-  const int block = (L + parts - 1) / parts, jobs = R * parts;
-#pragma omp parallel for schedule(dynamic) num_threads(std::min(nt, std::max(jobs, 1)))
-  for (int job = 0; job < jobs; ++job) {
-    const int r = job / parts, l0 = (job % parts) * block, nl = std::min(L, l0 + block) - l0;
+  static thread_local std::vector<int> hashed;  // the requests with segments
+  static thread_local std::vector<float> qf;    // their heads, in float, request by request
+  hashed.clear();
+  for (int r = 0; r < R; ++r)
+    if (args.centres[r] != nullptr && !(*args.segs)[r].empty()) hashed.push_back(r);
+  const int rows = static_cast<int>(hashed.size()) * H;
+  if (rows == 0) return;
+  qf.resize(static_cast<size_t>(rows) * d);
+  for (size_t i = 0; i < hashed.size(); ++i) {
+    const int r = hashed[i];
     const float* centre = args.centres[r];
-    if (nl <= 0 || centre == nullptr || (*args.segs)[r].empty()) continue;
-    std::vector<float> qf(static_cast<size_t>(H) * d);
     for (int h = 0; h < H; ++h) {
       const size_t row = static_cast<size_t>(r) * H + h;
-      float* x = qf.data() + static_cast<size_t>(h) * d;
+      float* x = qf.data() + (i * H + h) * d;
       query_row_to_float(args, row, x);
-      if (l0 > 0) continue;  // the first block's job writes q . c
       const float* c = centre + static_cast<size_t>(h / G) * d;
       double dot = 0;
       for (int j = 0; j < d; ++j) dot += static_cast<double>(x[j]) * c[j];
       qdc[row] = static_cast<float>(dot);
     }
-    std::vector<uint16_t> c16(static_cast<size_t>(H) * nl);
-    hash_rows_strided(qf.data(), H, d, args.w + static_cast<size_t>(l0) * K, K * L, K, nl, c16.data(), nl,
+  }
+  const int parts = std::max(1, std::min(nt, L));
+  const int block = (L + parts - 1) / parts;
+  // the team reads the calling thread's buffers (a thread_local named inside the region is the
+  // reading thread's own, empty one)
+  const float* heads = qf.data();
+  const int* requests = hashed.data();
+#pragma omp parallel for schedule(static) num_threads(parts)
+  for (int part = 0; part < parts; ++part) {
+    const int l0 = part * block, nl = std::min(L, l0 + block) - l0;
+    if (nl <= 0) continue;
+    std::vector<uint16_t> c16(static_cast<size_t>(rows) * nl);
+    hash_rows_strided(heads, rows, d, args.w + static_cast<size_t>(l0) * K, K * L, K, nl, c16.data(), nl,
                       args.force_scalar);
-    for (int h = 0; h < H; ++h)
-      std::copy(c16.begin() + static_cast<size_t>(h) * nl, c16.begin() + static_cast<size_t>(h + 1) * nl,
-                qcodes.begin() + (static_cast<size_t>(r) * H + h) * L + l0);
+    for (int i = 0; i < rows; ++i) {
+      const size_t row = static_cast<size_t>(requests[i / H]) * H + i % H;
+      std::copy(c16.begin() + static_cast<size_t>(i) * nl, c16.begin() + static_cast<size_t>(i + 1) * nl,
+                qcodes.begin() + row * L + l0);
+    }
   }
 }
 

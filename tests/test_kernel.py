@@ -167,6 +167,20 @@ def test_codes_match_reference(K, L, n):
     assert seg.num_tokens == n and seg.num_kv_heads == hkv and seg.head_dim == D and seg.K == K and seg.L == L
 
 
+@pytest.mark.parametrize("K,L,D", [(10, 150, 64), (7, 13, 128)])
+def test_hash_codes_do_not_depend_on_how_rows_are_grouped(K, L, D):
+    """The SIMD hash takes rows in groups sized by the rows left (up to 6: 9 query heads go 5 + 4),
+    and a decode hashes all its requests' heads in one call. Each column's sum is the same FMA chain
+    whatever the group, so T rows hashed together equal, bit for bit, each row hashed alone (a
+    group of one); every group size and the masked column tail (C % 64, C % 16) are covered."""
+    seed, gen = new_seed()
+    W = torch.randn(D, K * L, generator=gen)
+    x = torch.randn(36, D, generator=gen)
+    alone = torch.cat([kx.hash_codes(x[i : i + 1], W, K, L) for i in range(36)])
+    for T in list(range(2, 14)) + [36]:
+        assert torch.equal(kx.hash_codes(x[:T], W, K, L), alone[:T]), f"T={T} seed={seed}"
+
+
 @pytest.mark.skipif(not HAS_FAST, reason="no SIMD path on this CPU: both paths are the scalar hash")
 @pytest.mark.parametrize("K,L,D", [(10, 150, 64), (16, 8, 128), (3, 40, 72)])
 def test_scalar_hash_matches_fast(K, L, D):
