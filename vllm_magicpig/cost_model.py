@@ -175,9 +175,11 @@ class DecodeCostModel:
         with self._lock:
             self.exact.add(requests, keys, seconds, layers)
 
-    def observe_sparse(self, requests: int, keys: int, seconds: float) -> None:
+    def observe_sparse(self, requests: int, keys: int, seconds: float, layers: int = 1) -> None:
+        """Sampled attention over ``requests`` requests of ``keys`` keys in all took ``seconds`` per
+        layer, averaged over ``layers`` layers of one step."""
         with self._lock:
-            self.sparse.add(requests, keys, seconds)
+            self.sparse.add(requests, keys, seconds, layers)
             self._sampled_octaves.add(_octave(keys / max(requests, 1)))
 
     def observe_build(self, tokens: int, seconds: float) -> None:

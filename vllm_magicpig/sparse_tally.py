@@ -38,6 +38,16 @@ class SparseTally:
             stats.decode_by_method[label] += requests
             stats.add_sampled(layer_name, sampled, candidates)
         timed, self._timed = self._timed, []
-        if cost is not None:
-            for requests, keys, seconds in timed:
-                cost.observe_sparse(requests, keys, seconds)
+        if cost is None:
+            return
+        # A step's layers share (requests, keys): one counted observation of their mean per run of
+        # equal shapes, the same least-squares fit as one observation a layer (LinearCost.add).
+        i = 0
+        while i < len(timed):
+            requests, keys, _ = timed[i]
+            j, total = i, 0.0
+            while j < len(timed) and timed[j][0] == requests and timed[j][1] == keys:
+                total += timed[j][2]
+                j += 1
+            cost.observe_sparse(requests, keys, total / (j - i), j - i)
+            i = j

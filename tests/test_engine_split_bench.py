@@ -1,0 +1,53 @@
+"""benchmarks/engine_split.py: the arithmetic of its window and split on made-up timer readings, and
+(e2e) a short run in a real engine, where every timed piece must be found and the parts must add up."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import engine_split as es  # noqa: E402
+
+
+def test_the_window_is_the_long_run_less_the_short_and_the_split_adds_up():
+    short = {"worker step": (0.5, 9), "layer": (0.09, 252), "ops call": (0.08, 252), "native run": (0.07, 252),
+             "phases": (0.06, 252), "metadata build": (0.002, 9)}
+    long = {"worker step": (2.1, 41), "layer": (0.09 + 32 * 28 * 400e-6, 252 + 32 * 28),
+            "ops call": (0.08 + 32 * 28 * 350e-6, 252 + 32 * 28), "native run": (0.07 + 32 * 28 * 330e-6, 252 + 32 * 28),
+            "phases": (0.06 + 32 * 28 * 300e-6, 252 + 32 * 28), "metadata build": (0.002 + 32 * 250e-6, 41),
+            "index lookups": (32 * 28 * 15e-6, 32 * 28)}
+    row = es.split_row(es.window(long, short), steps=32)
+    assert row["step ms"] == pytest.approx(1000 * 1.6 / 32)
+    assert row["sparse layers"] == pytest.approx(28)
+    assert row["layer"] == pytest.approx(400) and row["phases"] == pytest.approx(300)
+    assert row["native set-up"] == pytest.approx(30) and row["wrapper"] == pytest.approx(20)
+    assert row["above ops"] == pytest.approx(50) and row["index lookups"] == pytest.approx(15)
+    assert row["metadata build"] == pytest.approx(250) and row["plan"] == 0
+    # the parts of a layer add up to it
+    assert row["phases"] + row["native set-up"] + row["wrapper"] + row["above ops"] == pytest.approx(row["layer"])
+    lines = es.table([row, row])
+    assert len(lines) == 4 and lines[2].startswith("| 0 | 50.00 | 28.0 | 400.0 | 300.0 | 30.0 | 20.0 | 50.0")
+
+
+@pytest.mark.e2e
+def test_a_short_run_in_an_engine_finds_every_timed_piece(tmp_path):
+    out = tmp_path / "split"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine_split.py"), "--context", "4096",
+                        "--batch", "1", "--reps", "1", "--short", "3", "--long", "7", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = [ln for ln in out.with_suffix(".md").read_text().splitlines() if ln.startswith("| 0 |")]
+    assert len(row) == 1, r.stdout[-2000:]
+    cells = [float(c) for c in row[0].strip("|").split("|")[1:]]
+    named = dict(zip(["step ms", "sparse layers"] + es.COLUMNS, cells))
+    # MAGICPIG sampled every sparse layer of SmolLM2 (30 layers, 2 dense) in every step of the window
+    assert named["sparse layers"] == pytest.approx(28, abs=0.1), named
+    for part in ("layer", "phases", "decode method", "index lookups", "accounting", "DecodeStep.serves",
+                 "metadata build", "plan"):
+        assert named[part] > 0, (part, named)
+    assert named["phases"] < named["layer"] < 1000 * named["step ms"] / 28, named
