@@ -18,7 +18,8 @@ def test_the_window_is_the_long_run_less_the_short_and_the_split_adds_up():
     short = {"worker step": (0.5, 9), "layer": (0.09, 252), "ops call": (0.08, 252), "native run": (0.07, 252),
              "phases": (0.06, 252), "metadata build": (0.002, 9)}
     long = {"worker step": (2.1, 41), "layer": (0.09 + 32 * 28 * 400e-6, 252 + 32 * 28),
-            "ops call": (0.08 + 32 * 28 * 350e-6, 252 + 32 * 28), "native run": (0.07 + 32 * 28 * 330e-6, 252 + 32 * 28),
+            "ops call": (0.08 + 32 * 28 * 350e-6, 252 + 32 * 28),
+            "native run": (0.07 + 32 * 28 * 330e-6, 252 + 32 * 28),
             "phases": (0.06 + 32 * 28 * 300e-6, 252 + 32 * 28), "metadata build": (0.002 + 32 * 250e-6, 41),
             "index lookups": (32 * 28 * 15e-6, 32 * 28)}
     row = es.split_row(es.window(long, short), steps=32)
