@@ -103,6 +103,11 @@ MP_HASH_AVX512 void hash_group_avx512(const float* const* xr, int d, const float
   }
 }
 
+// hash_group_avx512<n> for n rows, at [n - 1].
+using HashGroup = void (*)(const float* const*, int, const float*, int, int, uint16_t*, int);
+const HashGroup kHashGroups[kHashMaxRows] = {hash_group_avx512<1>, hash_group_avx512<2>, hash_group_avx512<3>,
+                                             hash_group_avx512<4>, hash_group_avx512<5>, hash_group_avx512<6>};
+
 MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int ldw, int K, int L,
                                      uint16_t* codes, int ldc) {
   const int C = K * L, stride = (C + 15) / 16 + 2;  // + 2 words: pack_from_masks reads 4 bytes
@@ -112,26 +117,7 @@ MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* 
     const int nr = (T - t0 + groups - 1) / groups;
     const float* xr[kHashMaxRows];
     for (int r = 0; r < nr; ++r) xr[r] = x + static_cast<size_t>(t0 + r) * d;
-    switch (nr) {
-      case 6:
-        hash_group_avx512<6>(xr, d, w, ldw, C, masks.data(), stride);
-        break;
-      case 5:
-        hash_group_avx512<5>(xr, d, w, ldw, C, masks.data(), stride);
-        break;
-      case 4:
-        hash_group_avx512<4>(xr, d, w, ldw, C, masks.data(), stride);
-        break;
-      case 3:
-        hash_group_avx512<3>(xr, d, w, ldw, C, masks.data(), stride);
-        break;
-      case 2:
-        hash_group_avx512<2>(xr, d, w, ldw, C, masks.data(), stride);
-        break;
-      default:
-        hash_group_avx512<1>(xr, d, w, ldw, C, masks.data(), stride);
-        break;
-    }
+    kHashGroups[nr - 1](xr, d, w, ldw, C, masks.data(), stride);
     for (int r = 0; r < nr; ++r)
       pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
     t0 += nr;

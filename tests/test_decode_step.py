@@ -150,16 +150,19 @@ def test_a_layer_that_does_not_match_its_step_is_refused():
                       dense_ranges=c.dense_ranges, K=K, L=L, projection=c.W[:, :10])
 
 
+def seam_case(K: int, L: int):
+    """Two requests (one too short for a segment), a fresh ops seam over their cache, an output."""
+    seed, gen = new_seed()
+    c = Case(gen, [300, 129], 2, 3, 64, K, L)
+    return seed, c, CpuKernelOps(), KVViews(c.kview, c.vview), torch.empty_like(c.query)
+
+
 def test_the_ops_seam_reuses_a_step_for_the_layers_of_one_plan_only():
     """CpuKernelOps makes one DecodeStep for the layers that pass the same block table, dense
     ranges and projection objects, and a new one for anything else: a new step's tensors, other
     (K, L, L_read), or a block table it could only read through a copy (non-contiguous)."""
-    seed, gen = new_seed()
     K, L = 6, 20
-    c = Case(gen, [300, 129], 2, 3, 64, K, L)
-    ops = CpuKernelOps()
-    kv = KVViews(c.kview, c.vview)
-    out = torch.empty_like(c.query)
+    seed, c, ops, kv, out = seam_case(K, L)
 
     def call(bt=c.bt, dr=c.dense_ranges, W=c.W, L_read=None, query=c.query):
         ops.attend_queries(query, W, list(c.centres), c.segs, kv, bt, dr, c.scale, K, L, out, L_read=L_read)
@@ -187,12 +190,8 @@ def test_the_ops_seam_checks_a_layers_tensors_once_and_still_refuses_a_bad_one()
     ``attend`` skip those checks (``served=True``). A layer whose output or value cache does not fit
     the step must then get a new step, whose construction names the problem, never a native call
     over the wrong geometry."""
-    seed, gen = new_seed()
     K, L = 6, 20
-    c = Case(gen, [300, 129], 2, 3, 64, K, L)
-    ops = CpuKernelOps()
-    kv = KVViews(c.kview, c.vview)
-    out = torch.empty_like(c.query)
+    seed, c, ops, kv, out = seam_case(K, L)
 
     def call(out=out, kv=kv):
         return ops.attend_queries(c.query, c.W, list(c.centres), c.segs, kv, c.bt, c.dense_ranges, c.scale, K, L, out)
