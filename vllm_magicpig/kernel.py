@@ -436,6 +436,10 @@ class DecodeStep:
                 and projection is self.projection and K == self.K and L == self.L
                 and (L if L_read is None else L_read) == self.L_read):
             return False
+        return self._layer_fits(query, key_cache, value_cache, out)
+
+    def _layer_fits(self, query, key_cache, value_cache, out) -> bool:
+        """Whether a layer's query, output and caches have the step's geometry (one comparison each)."""
         shape, dtype = self._qshape, self._qdtype
         if not (isinstance(query, torch.Tensor) and query.shape == shape and query.dtype is dtype and query.is_cpu
                 and isinstance(out, torch.Tensor) and out.shape == shape and out.dtype is dtype and out.is_cpu):
@@ -499,10 +503,8 @@ class DecodeStep:
              sampled_counts, served: bool = False) -> int:
         if not served:
             self._check_layer_tensors(query, key_cache, value_cache, out)
-        if lse is not None:
-            _check_optional_out("lse", lse, torch.float32, (self.R, self.H))
-        if sampled_counts is not None:
-            _check_optional_out("sampled_counts", sampled_counts, torch.int64, (self.R, self.H))
+        _check_optional_out("lse", lse, torch.float32, (self.R, self.H))
+        _check_optional_out("sampled_counts", sampled_counts, torch.int64, (self.R, self.H))
         if not isinstance(segments, (list, tuple)) or len(segments) != self.R:
             raise ValueError(f"segments must be a list of R={self.R} lists of Segment")
         try:  # the native call checks each segment's (Hkv, D, K, L, dtype)
@@ -524,27 +526,21 @@ class DecodeStep:
         return sampled
 
     def _check_layer_tensors(self, query, key_cache, value_cache, out) -> None:
-        # A layer's own tensors, against the step: one comparison each, the precise message only
-        # when it fails.
-        if not (isinstance(query, torch.Tensor) and query.shape == self._qshape and query.dtype is self._qdtype
-                and query.is_cpu):
-            self._mismatch("query", query, self._qshape, self._qdtype)
-        if not (isinstance(out, torch.Tensor) and out.shape == self._qshape and out.dtype is self._qdtype
-                and out.is_cpu):
-            self._mismatch("out", out, self._qshape, self._qdtype)
+        """A layer's own tensors, against the step (``_layer_fits``); the precise message only when
+        they do not fit: the first tensor that does not, and why."""
+        if self._layer_fits(query, key_cache, value_cache, out):
+            return
+        for name, t in (("query", query), ("out", out)):
+            _tensor(name, t)
+            _dtype(name, t, (self._qdtype,))
+            if t.shape != self._qshape:
+                raise ValueError(f"{name} must have the step's shape {list(self._qshape)}, got {list(t.shape)}")
         dtype = self._cache_dtype
         for name, t, (shape, stride) in zip(("key_cache", "value_cache"), (key_cache, value_cache), self._caches):
-            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.stride() == stride and t.dtype is dtype
-                    and t.is_cpu):
-                _tensor(name, t)
+            _tensor(name, t)
+            if t.shape != shape or t.stride() != stride or t.dtype is not dtype:
                 raise ValueError(f"{name} must match the step's cache: shape {list(shape)}, strides {stride}, "
                                  f"dtype {dtype}; got {list(t.shape)}, {t.stride()}, {t.dtype}")
-
-    @staticmethod
-    def _mismatch(name, t, shape, dtype):
-        _tensor(name, t)
-        _dtype(name, t, (dtype,))
-        raise ValueError(f"{name} must have the step's shape {list(shape)}, got {list(t.shape)}")
 
 
 def _check_segment_lists(segments) -> None:

@@ -99,11 +99,10 @@ class SparseLayer:
     # ------------------------------------------------------------------ accounting
     def _account(self, plan: DecodePlan, result: DecodeResult, label: str | None) -> None:
         stats = self.ctx.runtime.stats
-        if plan.exact_reason or result.exact:  # none in a step that samples every request
-            for reason in plan.exact_reason.values():
-                stats.decode_exact[reason] += 1
-            for reason in result.exact.values():
-                stats.decode_exact[reason] += 1
+        for reason in plan.exact_reason.values():
+            stats.decode_exact[reason] += 1
+        for reason in result.exact.values():
+            stats.decode_exact[reason] += 1
         if result.served:
             candidates = sum(plan.covered[r] for r in result.served) * self.ctx.num_heads
             # one record, folded with the step's others (sparse_tally.py)
