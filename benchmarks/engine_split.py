@@ -50,6 +50,7 @@ TIMED = [
     ("vllm_magicpig.kernel", "DecodeStep", "serves", "DecodeStep.serves"),
 ]
 # What the table shows, in order (labels as above, plus the native run and the phases).
+PHASE_PREFIX = "phase "  # the kernel's phases one by one, after COLUMNS
 COLUMNS = ["layer", "phases", "native set-up", "wrapper", "above ops", "decode method", "index lookups",
            "accounting", "DecodeStep.serves", "metadata build", "plan"]
 
@@ -128,7 +129,10 @@ def read(_worker=None):
 
     totals, calls = builtins._magicpig_split
     out = {k: (totals[k], calls[k]) for k in totals}
-    out["phases"] = (sum(kernel.stop_phase_timers().values()), calls.get("native run", 0))
+    phases = kernel.stop_phase_timers()
+    out["phases"] = (sum(phases.values()), calls.get("native run", 0))
+    for name, seconds in phases.items():  # each phase too: which of them the engine's cold caches slow
+        out[PHASE_PREFIX + name] = (seconds, calls.get("native run", 0))
     return out
 
 
@@ -153,17 +157,21 @@ def split_row(diff: dict, steps: int) -> dict:
     row["above ops"] = row["layer"] - us("ops call")
     for label in ("decode method", "index lookups", "accounting", "DecodeStep.serves"):
         row[label] = us(label)
+    for label in diff:
+        if label.startswith(PHASE_PREFIX):
+            row[label] = us(label)
     for label in ("metadata build", "plan"):  # once a step: us per step
         row[label] = 1e6 * diff.get(label, (0.0, 0))[0] / steps
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
-    head = ["rep", "step ms", "sparse layers a step"] + COLUMNS
+    phases = [k for k in (rows[0] if rows else {}) if k.startswith(PHASE_PREFIX)]
+    head = ["rep", "step ms", "sparse layers a step"] + COLUMNS + phases
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, row in enumerate(rows):
         lines.append("| " + " | ".join([str(i), f"{row['step ms']:.2f}", f"{row['sparse layers']:.1f}"]
-                                       + [f"{row[c]:.1f}" for c in COLUMNS]) + " |")
+                                       + [f"{row.get(c, 0.0):.1f}" for c in COLUMNS + phases]) + " |")
     return lines
 
 
