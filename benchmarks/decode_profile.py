@@ -22,6 +22,10 @@ gigabytes), against vLLM's kernel over copies of the cache in turn, with the ker
 timers. Called back to back, one layer's index and sampled rows stay in the L3 and its pages
 in the TLB, which no engine step sees. "Outside the phases" is a turn's time less the kernel's
 phase timers, per layer: the Python around the call and the call's set-up, cold (one thread).
+A second table counts the 64-byte lines the profiled call reads (``lines_read``: directory entries,
+bucket ids, the sampled rows' K and V) and sets the lookup's and the row passes' times against them
+at this machine's random-line roof on one thread (``line_roof_ns``, kernel_bench's native gather):
+a phase at ~1x that roof waits on DRAM for every line it needs and gains only from reading fewer.
 
 ``--tree DIR`` times the vllm_magicpig of another checkout with its extension built (a git
 worktree of an earlier commit, say) with this script's timings; run it and the default in turn
@@ -136,7 +140,12 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
         # fresh: each turn's query a new draw (in place: the layer closures read this tensor)
         new_query = (lambda: q.copy_((torch.randn(batch, H, D, generator=gen) - 0.5 * off.repeat_interleave(G, 0))
                                      .bfloat16())) if fresh else None
-        return run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query)
+        res = run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query)
+        # what the profiled turn's query (the last one drawn) reads; every copy holds the same keys
+        owner = segment_owner(layer.ctx.name, K, L)
+        segs = [[rt.index.get_segment(owner, ref.key) for ref in plan.segments[r]] for r in range(batch)]
+        res["lines"] = lines_read(q, layer.ctx.projection, segs, K, L)
+        return res
     t_exact = med(exact)
     t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
     t_layer = med(layer_step)
@@ -202,6 +211,54 @@ def bucket_ids_walked(q, proj, segs, K, L) -> int:
     return total
 
 
+def lines_read(q, proj, segs, K, L) -> dict[str, int]:
+    """The 64-byte lines of a segment's memory one decode call reads, from the codes (the segments'
+    layout, common.h's Segment): per (head, table) its directory entry and its bucket's id lines;
+    per (KV head, segment) the union of its heads' sampled rows, each a K row and a V row (d bf16
+    values, 128 B each at d = 64: ``row_lines``), and the lines of their |k - c| (``norm_lines``).
+    In an engine a layer's mirror and bucket ids are cold (14.7 + 12 MB a layer at 16K tokens);
+    its norms (192 KB a layer) stay in the L3: computing |k - c| from the row instead of reading it
+    saved nothing (2026-12-06). The kernel's phases over these counts, against the machine's
+    random-line roof, say how close to that roof the lookup and the row passes run."""
+    R, H, D = q.shape
+    qc = kernel.hash_codes(q.reshape(-1, D), proj, K, L).view(R, H, L).long()
+    out = dict(directory=0, bucket_ids=0, union_rows=0, norm_lines=0)
+    row_lines = max(1, D * 2 // 64)
+    for r in range(R):
+        for seg in segs[r]:
+            codes = seg.codes().long()  # [Hkv, L, n]
+            hkv, _, n = codes.shape
+            g = H // hkv
+            counts = torch.zeros(hkv, L, 1 << K, dtype=torch.long).scatter_add_(2, codes, torch.ones_like(codes))
+            ends = counts.cumsum(2)
+            tables = torch.arange(hkv * L).view(hkv, L)
+            for kvh in range(hkv):
+                union = torch.zeros(n, dtype=torch.bool)
+                for h in range(kvh * g, (kvh + 1) * g):
+                    code = qc[r, h]  # [L]
+                    end = ends[kvh, torch.arange(L), code]
+                    begin = end - counts[kvh, torch.arange(L), code]
+                    base = tables[kvh] * n * 2  # byte offset of each table's ids
+                    first, last = (base + 2 * begin) // 64, (base + 2 * end - 1) // 64
+                    out["directory"] += L
+                    out["bucket_ids"] += int(torch.where(end > begin, last - first + 1, 0).sum())
+                    union |= (codes[kvh] == code.view(L, 1)).sum(0) >= 2
+                ids = union.nonzero().flatten()
+                out["union_rows"] += int(ids.numel())
+                out["norm_lines"] += int(torch.unique((kvh * n + ids) * 4 // 64).numel())
+    out["row_lines"] = out["union_rows"] * 2 * row_lines
+    return out
+
+
+def line_roof_ns() -> float:
+    """Nanoseconds a random 64-byte line costs one thread here: kernel_bench's native gather of random
+    64 B rows (2 MiB pages, prefetched ahead), the best of three prefetch distances."""
+    from kernel_bench import _gather_native
+
+    native = _gather_native()
+    return 64 / max(native.gather_gbps(64, 1 << 20, 1024, ahead, 1, 3) for ahead in (8, 16, 32))
+
+
 def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query=None):
     """The layer as an engine meets it: copies of it (own cache, own index) called in turn, so
     between two calls of one the others have read 3x the L3 (kernel_bench's cold), against
@@ -240,7 +297,26 @@ def run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, 
     # thread: thread-seconds are seconds).
     outside_ms = (t_prof - sum(phase_s.values())) / n * 1e3
     return dict(context=ctx, batch=batch, layers=n, exact_ms=t_exact, magicpig_layer_ms=t_layer, build_ms=build_ms,
-                phases=phases, outside_ms=outside_ms)
+                phases=phases, phase_us={k: v / n * 1e6 for k, v in phase_s.items()}, outside_ms=outside_ms)
+
+
+def print_line_roof(rows, ns: float) -> None:
+    """The profiled turn's phases against the lines they read (lines_read) at the random-line roof."""
+    print(f"\nLines a layer call reads (its profiled turn; lines_read) and the phases against them at this machine's "
+          f"random-line roof, {ns:.1f} ns a 64 B line on one thread (line_roof_ns). The row passes' lines are the "
+          f"union rows' K and V rows (their norms' lines beside, L3-resident across layers); the q.k pass prefetches "
+          f"a row's V lines with its K lines, so the two passes are taken together.")
+    print("| context | batch | directory lines | bucket id lines | union rows | K and V row lines (norm lines) | "
+          "lookup us (at the roof) | gather_logits + softmax_v us (at the roof) | ns a line: lookup, row passes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        li, ph = r["lines"], r["phase_us"]
+        look_lines = li["directory"] + li["bucket_ids"]
+        look, passes = ph.get("lookup", 0.0), ph.get("gather_logits", 0.0) + ph.get("softmax_v", 0.0)
+        print(f"| {r['context']} | {r['batch']} | {li['directory']} | {li['bucket_ids']} | {li['union_rows']} | "
+              f"{li['row_lines']} ({li['norm_lines']}) | {look:.0f} ({look_lines * ns / 1e3:.0f}) | {passes:.0f} "
+              f"({li['row_lines'] * ns / 1e3:.0f}) | {look * 1e3 / max(look_lines, 1):.1f}, "
+              f"{passes * 1e3 / max(li['row_lines'], 1):.1f} |", flush=True)
 
 
 def main(argv=None):
@@ -267,12 +343,15 @@ def main(argv=None):
         print("| context | batch | layer copies | vLLM exact ms cold | MAGICPIG layer ms cold | ratio | "
               "index build ms | kernel phases, thread-ms per layer | outside the phases ms (1 thread) |")
         print("|---|---|---|---|---|---|---|---|---|")
+        rows = []
         for ctx in [int(x) for x in a.contexts.split(",")]:
             for b in [int(x) for x in a.batches.split(",")]:
                 r = run(ctx, b, a.K, a.L, cold=True, layers=a.layers, fresh=a.fresh_queries)
+                rows.append(r)
                 print(f"| {ctx} | {b} | {r['layers']} | {r['exact_ms']:.3f} | {r['magicpig_layer_ms']:.3f} | "
                       f"{r['exact_ms'] / r['magicpig_layer_ms']:.2f}x | {r['build_ms']:.0f} | {r['phases']} | "
                       f"{r['outside_ms']:.3f} |", flush=True)
+        print_line_roof(rows, line_roof_ns())
         return
     print("| context | batch | vLLM exact ms | MAGICPIG layer ms | ratio | plan ms (per step) | hash ms | "
           "one-call kernel ms (hashing included) | other python ms | sampled | index build ms | "
