@@ -142,9 +142,7 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
                                      .bfloat16())) if fresh else None
         res = run_cold(ctx, batch, cache, rt, H, layer_step, step_of, exact_on, build_ms, layers, new_query)
         # what the profiled turn's query (the last one drawn) reads; every copy holds the same keys
-        owner = segment_owner(layer.ctx.name, K, L)
-        segs = [[rt.index.get_segment(owner, ref.key) for ref in plan.segments[r]] for r in range(batch)]
-        res["lines"] = lines_read(q, layer.ctx.projection, segs, K, L)
+        res["lines"] = lines_read(q, layer.ctx.projection, layer_segments(rt, layer, plan, batch, K, L), K, L)
         return res
     t_exact = med(exact)
     t_plan = med(lambda: planner.plan(_Cam(seq, bt), batch, settings))
@@ -153,8 +151,7 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
     proj = layer.ctx.projection
     t_hash = med(lambda: kernel.hash_codes(q.reshape(-1, D), proj, K, L))  # inside the call too; for scale
     kv = rt.layout.views(cache)
-    owner = segment_owner(layer.ctx.name, K, L)  # the index keys a layer's segments by its (K, L) too
-    segs = [[rt.index.get_segment(owner, ref.key) for ref in plan.segments[r]] for r in range(batch)]
+    segs = layer_segments(rt, layer, plan, batch, K, L)
     centres = [rt.index.centre(layer.ctx.name, plan.centres[r], None) for r in range(batch)]
     cnt = torch.zeros(batch, H, dtype=torch.int64)
     def one_call():  # as ops calls it
@@ -188,6 +185,12 @@ def run(ctx: int, batch: int, K: int, L: int, cold: bool = False, layers: int = 
                 hash_ms=t_hash, kernel_call_ms=t_kernel_wrapped, python_ms=t_layer - t_kernel_wrapped,
                 sampled=frac, build_ms=build_ms, tail_tokens=tail, tail_ms=t_tail, tail_vllm_ms=t_tail_vllm,
                 phases=phases, ids_walked=ids)
+
+
+def layer_segments(rt, layer, plan, batch, K, L) -> list[list]:
+    """Each request's segments of ``layer`` as the step's plan names them, from the runtime's index."""
+    owner = segment_owner(layer.ctx.name, K, L)  # the index keys a layer's segments by its (K, L) too
+    return [[rt.index.get_segment(owner, ref.key) for ref in plan.segments[r]] for r in range(batch)]
 
 
 def phase_text(phase_s: dict[str, float], calls: int) -> str:
@@ -231,14 +234,14 @@ def lines_read(q, proj, segs, K, L) -> dict[str, int]:
             g = H // hkv
             counts = torch.zeros(hkv, L, 1 << K, dtype=torch.long).scatter_add_(2, codes, torch.ones_like(codes))
             ends = counts.cumsum(2)
-            tables = torch.arange(hkv * L).view(hkv, L)
+            tables = torch.arange(L)
             for kvh in range(hkv):
+                base = (kvh * L + tables) * n * 2  # byte offset of each of the KV head's tables' ids
                 union = torch.zeros(n, dtype=torch.bool)
                 for h in range(kvh * g, (kvh + 1) * g):
                     code = qc[r, h]  # [L]
-                    end = ends[kvh, torch.arange(L), code]
-                    begin = end - counts[kvh, torch.arange(L), code]
-                    base = tables[kvh] * n * 2  # byte offset of each table's ids
+                    end = ends[kvh, tables, code]
+                    begin = end - counts[kvh, tables, code]
                     first, last = (base + 2 * begin) // 64, (base + 2 * end - 1) // 64
                     out["directory"] += L
                     out["bucket_ids"] += int(torch.where(end > begin, last - first + 1, 0).sum())
