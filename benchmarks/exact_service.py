@@ -95,7 +95,7 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer, reaso
     from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
     from vllm_magicpig.kv_layout import amx_granted
 
-    magicpig = {"background_index": False, "log_stats_interval": 0}
+    magicpig = {"background_index": False, "log_stats_interval": 0, "cost_calibration": False}  # primed by hand
     if reason == "short_context":
         magicpig["min_sparse_context"] = ctx + 1
     cfg = vllm_config(model, magicpig)

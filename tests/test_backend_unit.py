@@ -166,6 +166,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def harness(vllm_env, spec, num_blocks=None, isa="vec", **magicpig) -> Harness:
     # These cases decode without a prefill step first; test_background_index.py covers the indexer.
     magicpig.setdefault("background_index", False)
+    # The cost model starts empty, as these cases count its observations from the first step; the
+    # start-up calibration has its own cases (test_cost_calibration.py).
+    magicpig.setdefault("cost_calibration", False)
     return Harness(vllm_env(**magicpig), spec, torch.Generator().manual_seed(SEED), num_blocks, isa)
 
 

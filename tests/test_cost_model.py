@@ -320,3 +320,54 @@ def test_one_context_of_exact_timings_extrapolates_in_proportion_to_the_keys():
     exact_4k, _ = m.predicted(4096)
     exact_16k, _ = m.predicted(16384)
     assert exact_16k == pytest.approx(4 * exact_4k, rel=1e-3)
+
+
+# --------------------------------------------------------------------------- start-up calibration
+
+
+def calibrated(sparse=SPARSE, contexts=(1092, 2991, 8192)) -> DecodeCostModel:
+    """A model given only start-up timings (cost_calibration.py) of the synthetic costs."""
+    m = DecodeCostModel(min_steps=16)
+    m.calibrate([(1, n, cost(EXACT, 1, n)) for n in contexts], [(1, n, cost(sparse, 1, n)) for n in contexts],
+                (8192, 8192 * BUILD_PER_TOKEN), {"contexts": list(contexts)})
+    return m
+
+
+def test_a_calibrated_model_decides_the_first_prompt_by_its_costs():
+    """Calibrated at start-up: the first prompt in the calibrated ranges waits, ski-rental, instead of
+    being built at once to measure the costs (0.90-0.95x for a fresh engine's first cold requests)."""
+    m = calibrated()
+    assert DecodeCostModel().index_pays(1, 4096)  # uncalibrated: built at once
+    exact, sparse = m.predicted(4096)
+    assert exact == pytest.approx(cost(EXACT, 1, 4096), rel=1e-3)
+    assert sparse == pytest.approx(cost(SPARSE, 1, 4096), rel=1e-3)
+    expected = BUILD_PER_TOKEN * 4096 / (exact - sparse)
+    assert steps_until_built(m, cid=1, context=4096) == math.ceil(expected) > 1
+    assert m.snapshot()["sampled_octaves"] == [1024, 2048, 4096, 8192]  # between the points: timed
+    assert m.snapshot()["calibration"] == {"contexts": [1092, 2991, 8192]}
+    assert m.snapshot()["build_ms_per_1k_tokens"] == pytest.approx(BUILD_PER_TOKEN * 1e6)
+
+
+def test_past_the_calibrated_contexts_a_build_still_explores():
+    m = calibrated()
+    assert m.index_pays(1, 20000)  # 16K-32K: extrapolated, so the first prompt there is built to time it
+    assert not m.index_pays(2, 20000)  # one build explores a range, the next prompt waits
+
+
+def test_live_timings_outweigh_the_calibration():
+    """Start-up timings are a prior: calibrated 5x too dear, sampling follows the engine's own
+    timings at the contexts it serves within a few tens of steps (28 layers' observations a step)."""
+    m = calibrated(sparse=(5 * SPARSE[0], 5 * SPARSE[1]))
+    assert m.predicted(4096)[1] == pytest.approx(5 * cost(SPARSE, 1, 4096), rel=1e-3)
+    for steps in (30, 70):
+        for _ in range(steps):
+            m.begin_step()
+            m.observe_sparse(1, 4096, cost(SPARSE, 1, 4096), layers=28)
+        assert m.predicted(4096)[1] == pytest.approx(cost(SPARSE, 1, 4096), rel=0.1 if steps == 30 else 0.02)
+
+
+def test_a_calibration_that_timed_nothing_leaves_the_model_as_it_was():
+    m = DecodeCostModel(min_steps=16)
+    m.calibrate([], [], (0, 0.0), {"contexts": [], "skipped": "no context up to max_model_len is sampled"})
+    assert m.predicted(4096) is None and m.index_pays(1, 4096)  # built at once, as uncalibrated
+    assert m.snapshot()["calibration"]["skipped"]

@@ -79,6 +79,11 @@ class MagicPigConfig:
     index a new prompt once its exact decodes would have saved what the build costs (stats:
     ``index_deferred``). false: index every prompt at its first decode and sample every request
     past ``min_sparse_context``."""
+    cost_calibration: bool = True
+    """With the cost model: time sampling, exact attention and an index build on synthetic inputs
+    of the model's shape when the worker starts (``cost_calibration.py``; about a second for
+    SmolLM2), so a fresh engine's first prompts are decided by measured costs instead of being
+    indexed to measure them. false: learn from the requests served only."""
     background_index: bool = True
     """Index a new prompt on a background thread (``background_index.py``): its first decodes are
     served exactly (stats: ``indexing``) instead of waiting for the index. false: build at the
@@ -253,7 +258,7 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> MagicPigConfig:
             values[key] = check_choice(key, value, MIRROR_DTYPES)
         elif key == "target_cost":
             values[key] = None if value is None else check_target_cost(value)
-        elif key in ("inherit_centre", "cost_model", "background_index"):
+        elif key in ("inherit_centre", "cost_model", "cost_calibration", "background_index"):
             if not isinstance(value, bool):
                 raise MagicPigConfigError(f"magicpig config: {key!r} must be true or false, got {value!r}")
             values[key] = value

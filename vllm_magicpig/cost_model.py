@@ -42,6 +42,13 @@ exploring steps), and on an AMX machine (``results/e2e_decode_amx.md``) every ne
 prompt was then built on arrival, 2-7 builds a row, each slowing the decodes beside it by half.
 Other prompts in the range wait, ski-rental, on the extrapolated fit; the range is explored again
 after ``reexplore_steps`` steps if sampling still was not timed there.
+
+Start-up calibration (``cost_calibration.py``, ``calibrate``) gives both sides and the build their
+first timings before any request, on synthetic inputs of the model's shape, at a few contexts
+from the shortest sampled to the model's length (at most 32K); the ranges between the first and
+the last count as timed. Then no prompt is indexed merely to measure a range there, and a fresh
+engine's first prompts wait, ski-rental, as later ones do. The calibrated observations weigh as
+``min_steps`` layer timings per side, so live steps (about one a layer each) outweigh them soon.
 """
 from __future__ import annotations
 
@@ -168,6 +175,7 @@ class DecodeCostModel:
         self._steps_planned = 0
         self._explore = False
         self._lock = threading.Lock()
+        self.calibration: dict | None = None  # what start-up calibration measured (None: not run)
 
     def observe_exact(self, requests: int, keys: int, seconds: float, layers: int = 1) -> None:
         """Exact attention over ``requests`` requests of ``keys`` keys in all took ``seconds`` per
@@ -186,6 +194,24 @@ class DecodeCostModel:
         """A build indexed ``tokens`` (tokens x layers) in ``seconds`` of the worker's CPU."""
         with self._lock:
             self.build.add(tokens, seconds)
+
+    def calibrate(self, exact: list[tuple[int, int, float]], sampled: list[tuple[int, int, float]],
+                  build: tuple[int, float], record: dict) -> None:
+        """Start-up timings (``cost_calibration.py``): ``(requests, keys, seconds per layer)`` points of
+        exact attention and of sampling, and a build's ``(tokens x layers, seconds)``. Each side's
+        points weigh ``min_steps`` observations together, so decisions are made by measured costs
+        from the first request; the power-of-2 ranges from the first sampled point's to the last's
+        count as timed (between points the fit interpolates). ``record`` is kept for the stats."""
+        with self._lock:
+            for fit, points in ((self.exact, exact), (self.sparse, sampled)):
+                count = -(-self.min_steps // max(len(points), 1))
+                for requests, keys, seconds in points:
+                    fit.add(requests, keys, seconds, count)
+            if sampled:
+                octaves = [_octave(keys / requests) for requests, keys, _ in sampled]
+                self._sampled_octaves.update(range(min(octaves), max(octaves) + 1))
+            self.build.add(*build)
+            self.calibration = record
 
     def predicted(self, context: int) -> tuple[float, float] | None:
         """(exact, sampled) seconds per layer for one request of ``context`` keys, once both
@@ -248,6 +274,8 @@ class DecodeCostModel:
         out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps, "builds": self.build.builds,
                "deferred_prompts": len(self._saved), "sampled_octaves": sorted(1 << o for o in self._sampled_octaves),
                "explored_untimed": sorted(1 << o for o in self._explored if o not in self._sampled_octaves)}
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
         per_token = self.build.per_token()
         if per_token is not None:
             out["build_ms_per_1k_tokens"] = round(per_token * 1e6, 2)

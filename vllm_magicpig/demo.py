@@ -30,8 +30,10 @@ def main(argv=None) -> int:
     from vllm_magicpig.stats import merge_snapshots
 
     model = str(prepare_smollm2())
+    # The cost model is off: it would (rightly) serve one question's 64 decodes exactly, since indexing
+    # a 6K prompt costs more than sampling would save them; the demo is here to show the sampled path.
     llm = LLM(model=model, attention_backend="MAGICPIG", enforce_eager=True, max_model_len=8192,
-              additional_config={"magicpig": {"K": args.K, "L": args.L}})
+              additional_config={"magicpig": {"K": args.K, "L": args.L, "cost_model": False}})
     prompt = passkey.build(llm.get_tokenizer(), args.context, seed=args.seed, depth=0.35)
 
     # Prefill once (one token), then decode from the prefix cache, so the two phases
@@ -70,15 +72,9 @@ def main(argv=None) -> int:
     if indexing:
         print(f"  {indexing} decodes were served exactly while the prompt's index was being built (\"indexing\"; "
               f"\"background_index\": false builds it at the first decode instead, holding that token up)")
-    deferred = st["decode_exact"].get("index_deferred", 0)
-    if deferred:
-        print(f"  {deferred} decodes were served exactly before indexing the prompt paid for itself "
-              f"(\"index_deferred\": by this machine's timings, sampling them would have saved less than "
-              f"the build costs)")
-    slower = st["decode_exact"].get("sampling_slower", 0)
-    if slower:
-        print(f"  {slower} decodes were served exactly because this machine's timings say sampling a "
-              f"{prompt.num_tokens}-token context is slower here (the cost model; \"cost_model\": false turns it off)")
+    print("  (\"cost_model\": false here. By default MAGICPIG serves a new prompt's decodes exactly until\n"
+          "   sampling them would have saved what indexing the prompt costs: a one-off question this short\n"
+          "   is served exactly.)")
     return 0 if ok and st["decode_sparse"] > 0 else 1
 
 

@@ -1,0 +1,144 @@
+"""The cost model's start-up calibration (cost_calibration.py): which contexts it times, its
+synthetic layer (through the platform's cache layouts, in the sampled regime of real keys), the
+exact side run by vLLM's own kernel, and a fresh worker deciding its first prompt by the timings.
+Times are real here, so the assertions are on what was run and decided, not on how fast."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_backend_unit import (  # noqa: F401
+    DENSE_LAYER,
+    HKV,
+    SPARSE_LAYER,
+    BatchSpec,
+    D,
+    H,
+    MockLayer,
+    harness,
+    vllm_env,
+)
+from vllm_magicpig import cost_calibration as cal
+from vllm_magicpig.config import MagicPigConfig
+from vllm_magicpig.kv_layout import CpuAmxLayout, CpuVecLayout, gather
+
+SMOLLM2 = cal.LayerShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("max_model_len, expected", [
+    (8192, [1092, 2991, 8192]),  # from the shortest sampled context (4 sinks + 64 window + 2 segments)
+    (131072, [1092, 5982, 32768]),  # at most MAX_CONTEXT: longer is extrapolated, then explored
+    (1500, [1092, 1500]),  # within 4x: two points
+    (1000, []),  # nothing is sampled below min_sparse_context
+])
+def test_the_contexts_timed(max_model_len, expected):
+    assert cal.calibration_contexts(MagicPigConfig(), max_model_len) == expected
+
+
+def test_the_shortest_context_timed_follows_the_config():
+    cfg = MagicPigConfig(min_sparse_context=4096)
+    assert cal.calibration_contexts(cfg, 8192) == [4096, 8192]
+
+
+@pytest.mark.parametrize("layout", [CpuVecLayout(), CpuAmxLayout()], ids=lambda x: x.name)
+def test_the_synthetic_cache_holds_the_context_in_the_platforms_layout(layout):
+    """Keys and values written through the layout's views read back, token by token, through the
+    same gather the index builds from (blocks in the table's random order)."""
+    gen = torch.Generator().manual_seed(3)
+    n = 1000  # not a whole number of blocks
+    keys, values, query = cal.synthetic_context(SMOLLM2, n, gen)
+    assert query.shape == (1, 9, 64) and keys.shape == values.shape == (n, 3, 64)
+    cache, kv, table = cal.paged_cache(SMOLLM2, keys, values, layout.views, gen)
+    assert cache.shape == (8, 3, 128, 128) and sorted(table[0].tolist()) == list(range(8))
+    blocks = tuple(table[0].tolist())
+    assert torch.equal(gather(kv.key, blocks, 0, n), keys)
+    assert torch.equal(gather(kv.value, blocks, 5, n), values[5:])
+
+
+def test_a_timed_context_samples_as_real_keys_do_and_runs_each_side():
+    """At K=10, L=150 the synthetic keys are sampled at ~3% (SmolLM2's real keys: ~3%); the
+    exact side is the callable given (here a STAND-IN that records its calls)."""
+    from vllm_magicpig.ops import CpuKernelOps
+    from vllm_magicpig.runtime import simhash_projection
+
+    cfg = MagicPigConfig()
+    calls = []
+
+    def exact_stand_in(query, cache, table, seq_len):
+        calls.append((query.shape, cache.shape, table.shape, seq_len))
+
+    gen = torch.Generator().manual_seed(cal.SEED)
+    p = cal.time_context(cfg, SMOLLM2, CpuKernelOps(), simhash_projection(64, 10, 150, 0), CpuVecLayout().views,
+                         exact_stand_in, 4096, gen)
+    assert 0.015 < p["sampled_fraction"] < 0.06, p
+    assert p["indexed_tokens"] == (4096 - 64) // 128 * 128 - cfg.sink_tokens  # up to the window's block
+    assert p["build_s"] > 0 and p["sampled_s"] > 0 and p["exact_s"] > 0
+    assert calls == [((1, 9, 64), (32, 3, 128, 128), (1, 32), 4096)] * (cal.WARMUP + cal.REPEATS)
+
+
+def test_the_exact_side_is_vllms_own_decode_kernel(vllm_env):  # noqa: F811
+    """CpuDecodeKernel gives what CPUAttentionBackendImpl gives for the same decode."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_magicpig.backend import CpuDecodeKernel
+
+    h = harness(vllm_env, BatchSpec([3000], [1]))
+    h.step(layer=DENSE_LAYER)  # writes the context
+    query = torch.randn(1, H, D, generator=h.gen).bfloat16()
+    ref = torch.full((1, H, D), float("nan"), dtype=torch.bfloat16)
+    with set_current_vllm_config(h.cfg):
+        meta = h.ref_builder.build(0, h.common_metadata())
+        h.ref_impl.forward(MockLayer(DENSE_LAYER), query, query[:, :HKV], query[:, :HKV], h.cache, meta, ref)
+    out = CpuDecodeKernel(h.mp_builder)(query, h.cache, h.block_table, 3000)
+    assert torch.equal(out, ref)
+
+
+def test_a_fresh_worker_decides_its_first_prompt_by_calibrated_costs(vllm_env):  # noqa: F811
+    """The builder calibrates the worker's cost model before any request (the default config), so
+    a new 3000-token prompt's first decode is not indexed just to time it: it waits for its
+    savings to pay for the build (or sampling is slower here), served exactly by vLLM's kernel."""
+    h = harness(vllm_env, BatchSpec([3000], [1]), cost_calibration=True)
+    cost = h.runtime.cost
+    record = cost.calibration
+    assert record["contexts"] == cal.calibration_contexts(h.runtime.cfg, 8192)
+    assert all(0.015 < f < 0.06 for f in record["sampled_fraction"]), record
+    assert record["exact_us"][-1] > record["exact_us"][0]  # vLLM's kernel over 7.5x the keys
+    assert cost.predicted(3000) is not None and cost.build.builds == 1
+    out, ref, meta = h.step()
+    st = h.stats()
+    assert meta.sparse_plan.sparse == [] and torch.equal(out, ref)
+    assert set(st["decode_exact"]) <= {"index_deferred", "sampling_slower"} and st["decode_exact"], st
+    assert st["build_seconds"] == 0 and st["index_bytes"] == 0  # nothing was built for it
+    assert st["cost_model"]["calibration"] == record
+
+
+@pytest.mark.parametrize("switch", [{"cost_calibration": False}, {"cost_model": False}])
+def test_calibration_is_skipped_when_switched_off(vllm_env, switch):  # noqa: F811
+    h = harness(vllm_env, BatchSpec([3000], [1]), **switch)
+    assert h.runtime.cost is None or h.runtime.cost.calibration is None
+
+
+@pytest.mark.e2e
+def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model_path):
+    """A real engine with the default config: its worker calibrates at start-up, so a cold 3000-token
+    question answered in 24 tokens is served exactly (a build would cost more than sampling saves),
+    where an uncalibrated engine built its index at once to time it (0.90-0.95x of CPU_ATTN)."""
+    from vllm import SamplingParams
+
+    from tests.conftest import make_llm, stats
+    from vllm_magicpig import passkey
+
+    llm = make_llm(model_path)  # no additional_config: MAGICPIG's defaults, cost model on
+    prompt = passkey.build(llm.get_tokenizer(), 3000, seed=5, depth=0.5)
+    out = llm.generate([prompt.text], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    st = stats(llm)
+    del llm
+    record = st["cost_model"]["calibration"]
+    assert record["contexts"] == [1092, 2991, 8192], record
+    assert all(0.015 < f < 0.06 for f in record["sampled_fraction"]), record
+    sparse_decodes = (len(out.token_ids) - 1) * 28  # 30 layers, 2 of them dense
+    assert st["decode_sparse"] == 0, st
+    assert st["decode_exact"].get("index_deferred", 0) + st["decode_exact"].get("sampling_slower", 0) \
+        == sparse_decodes, st
+    assert st["build_seconds"] == 0 and st["index_bytes"] == 0, st
