@@ -44,6 +44,10 @@ class SparseDecodeOps(Protocol):
         ``projection`` and each request's centre (None: no segments); returns the sampled keys
         summed over requests and heads. The CPU path's one native call per sparse layer."""
 
+    def end_calls(self) -> None:
+        """Drop what the calls so far keep for the next one (a step's checked tensors), so tensors
+        attended only once (the start-up calibration's synthetic cache) are freed."""
+
     def set_mirror_dtype(self, mirror_dtype: str) -> None:
         """How segments built from now on keep their K/V rows (the config's ``mirror_dtype``)."""
 
@@ -70,6 +74,9 @@ class CpuKernelOps:
         self.num_threads = num_threads
         self.mirror = "cache"  # the kernel's name for mirror_dtype "auto"
         self._step = None  # the kernel.DecodeStep of the step being decoded
+
+    def end_calls(self):
+        self._step = None
 
     def set_mirror_dtype(self, mirror_dtype):
         self.mirror = "cache" if mirror_dtype == "auto" else mirror_dtype
