@@ -142,3 +142,16 @@ def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model
     assert st["decode_exact"].get("index_deferred", 0) + st["decode_exact"].get("sampling_slower", 0) \
         == sparse_decodes, st
     assert st["build_seconds"] == 0 and st["index_bytes"] == 0, st
+
+
+def test_a_calibration_that_fails_leaves_the_worker_serving(vllm_env, monkeypatch):  # noqa: F811
+    """Calibration is a prior: if it cannot run, the worker starts uncalibrated and says why."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(cal, "calibrate", broken)
+    h = harness(vllm_env, BatchSpec([3000], [1]), cost_calibration=True)
+    assert h.runtime.cost.calibration == {"failed": "RuntimeError: no kernel here"}
+    assert h.runtime.cost.predicted(3000) is None  # learns from the requests served, as before
+    h.step()
+    assert h.stats()["decode_sparse"] == 1  # built at once to time it, as an uncalibrated worker does

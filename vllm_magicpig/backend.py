@@ -78,9 +78,16 @@ class MagicPigMetadataBuilder(MagicPigBuilderMixin, CPUAttentionMetadataBuilder)
             amx_granted()  # vLLM's AMX kernel needs the tile state, which no matmul may have asked for yet
         shape = cost_calibration.LayerShape(self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
                                             self.dtype)
-        record = cost_calibration.calibrate(
-            rt.cost, rt.cfg, shape, rt.ops, rt.projection(self.head_dim, rt.cfg.K, rt.cfg.L), rt.layout.views,
-            CpuDecodeKernel(self), vllm_config.model_config.max_model_len)
+        try:
+            record = cost_calibration.calibrate(
+                rt.cost, rt.cfg, shape, rt.ops, rt.projection(self.head_dim, rt.cfg.K, rt.cfg.L), rt.layout.views,
+                CpuDecodeKernel(self), vllm_config.model_config.max_model_len)
+        except Exception as e:  # noqa: BLE001 - a prior, not a requirement: serve, learning from requests
+            rt.cost.calibration = {"failed": f"{type(e).__name__}: {e}"}
+            logger.warning("MAGICPIG could not calibrate its cost model at start-up (%s: %s); it learns from the "
+                           "requests served instead (first prompts of a context range are indexed to time them)",
+                           type(e).__name__, e)
+            return
         logger.info("MAGICPIG cost model calibrated at start-up: %s", record)
 
 
