@@ -101,6 +101,7 @@ def test_a_fresh_worker_decides_its_first_prompt_by_calibrated_costs(vllm_env): 
     cost = h.runtime.cost
     record = cost.calibration
     assert record["contexts"] == cal.calibration_contexts(h.runtime.cfg, 8192)
+    assert record["heads"] == [H, HKV, D]
     assert all(0.015 < f < 0.06 for f in record["sampled_fraction"]), record
     assert record["exact_us"][-1] > record["exact_us"][0]  # vLLM's kernel over 7.5x the keys
     assert cost.predicted(3000) is not None and cost.build.builds == 1

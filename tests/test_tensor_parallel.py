@@ -287,3 +287,41 @@ def test_near_exact_sampling_tp2_agrees_with_tp1_as_closely_as_exact_decoding(ru
     assert agree_mp >= agree_ex - MARGIN, (agree_mp, agree_ex)
     # bf16 logprob noise of a different reduction order: 1-2 ulps of a logprob of magnitude ~10
     assert gap_mp <= gap_ex + 0.05, (gap_mp, gap_ex)
+
+
+def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, model_path):
+    """With the cost model on (the default), each rank times its own 4 query / 2 KV heads at start-up
+    (cost_calibration.py), and a new prompt's first decodes wait for its build to pay on both."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_magicpig.config import parse_config
+    from vllm_magicpig.cost_calibration import calibration_contexts
+
+    path = tmp_path_factory.mktemp("tiny_llama_tp_calibrated")
+    _write_model(path, Path(model_path))
+    magicpig = {"min_sparse_context": 256, "segment_tokens": 128, "dense_layers": DENSE_LAYERS,
+                "log_stats_interval": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        llm = LLM(model=str(path), attention_backend="MAGICPIG", tensor_parallel_size=2, enforce_eager=True,
+                  max_model_len=2048, seed=0, distributed_executor_backend="mp",
+                  additional_config={"magicpig": magicpig})
+    try:
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        llm.generate([{"prompt_token_ids": _prompts(vocab)[1]}],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        snaps = llm.collective_rpc("magicpig_stats")
+    finally:
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        del llm
+        gc.collect()
+    expected = calibration_contexts(parse_config({"magicpig": magicpig}), 2048)
+    assert len(snaps) == 2
+    for rank, s in enumerate(snaps):
+        record = s["cost_model"]["calibration"]
+        assert record["heads"] == [NUM_HEADS // 2, NUM_KV_HEADS // 2, HEAD_DIM], (rank, record)
+        assert record["contexts"] == expected, (rank, record)
+        assert s["decode_sparse"] == 0 and s["build_seconds"] == 0, (rank, s["decode_exact"])

@@ -172,6 +172,7 @@ def calibrate(cost: Any, cfg: MagicPigConfig, shape: LayerShape, ops: Any, proje
     tokens = sum(p["indexed_tokens"] for p in points)
     record = {
         "contexts": contexts, "seconds": round(time.perf_counter() - t0, 2),
+        "heads": [shape.num_heads, shape.num_kv_heads, shape.head_dim],  # this worker's share: query, KV, dim
         "exact_us": [round(p["exact_s"] * 1e6, 1) for p in points],
         "sparse_us": [round(p["sampled_s"] * 1e6, 1) for p in points],
         "sampled_fraction": [round(p["sampled_fraction"], 4) for p in points],
