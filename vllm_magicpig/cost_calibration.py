@@ -37,7 +37,7 @@ import torch
 
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.kv_layout import KVViews, gather
-from vllm_magicpig.planner import covered_end_for, segment_layout
+from vllm_magicpig.planner import covered_end_for, largest_segment, segment_layout
 
 MAX_CONTEXT = 32768  # longer contexts are extrapolated, then explored by a build (cost_model.py)
 MAX_POINTS = 3  # contexts timed, from min_sparse_context to the longest
@@ -131,12 +131,11 @@ def time_context(cfg: MagicPigConfig, shape: LayerShape, ops: Any, projection: t
     limit = n - cfg.local_window
     prompt_end = (limit // bs) * bs
     covered = covered_end_for(limit, unit, prompt_end)
-    largest = max(unit, (cfg.max_segment_tokens // unit) * unit)
     blocks = tuple(table[0].tolist())
     t0 = time.perf_counter()
     centre = gather(kv.key, blocks, cfg.sink_tokens, prompt_end).to(torch.float32).mean(dim=0).contiguous()
     segments = []
-    for start, size in segment_layout(covered, unit, largest, prompt_end):
+    for start, size in segment_layout(covered, unit, largest_segment(cfg), prompt_end):
         lo, hi = max(start, cfg.sink_tokens), start + size
         segments.append(ops.build_segment(gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi), centre,
                                           projection, cfg.K, cfg.L))

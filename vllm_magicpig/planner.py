@@ -107,6 +107,12 @@ def covered_end_for(limit: int, unit: int, prompt_end: int) -> int:
     return prompt_end + ((limit - prompt_end) // unit) * unit
 
 
+def largest_segment(cfg) -> int:
+    """Tokens in the largest segment: ``max_segment_tokens`` in whole ``segment_tokens``, at least one."""
+    unit = cfg.segment_tokens
+    return max(unit, (min(cfg.max_segment_tokens, MAX_SEGMENT_TOKENS) // unit) * unit)
+
+
 def segment_layout(covered_end: int, unit: int, largest: int, prompt_end: int = 0) -> list[tuple[int, int]]:
     """Split [0, covered_end) into segments: up to ``prompt_end`` (the tokens covered at the
     prompt's first decode, a multiple of the block size), full segments of ``largest`` tokens and one
@@ -177,7 +183,7 @@ class StepPlanner:
         self.mirror = mirror
         self.cost = cost
         self.unit = cfg.segment_tokens
-        self.largest = max(self.unit, (min(cfg.max_segment_tokens, MAX_SEGMENT_TOKENS) // self.unit) * self.unit)
+        self.largest = largest_segment(cfg)
         # last block written by a prefill chunk -> sequence length after it; a decode
         # right after it is that request's first decode (vLLM gives no request ids).
         self._prefill_ends: OrderedDict[int, int] = OrderedDict()
