@@ -163,13 +163,18 @@ def _run(model: str, backend: str, tp: int, prompts: list[list[int]]) -> dict:
             llm.collective_rpc("magicpig_set_eval", kwargs={"method": "exact"})
             result["exact"] = _generate(llm, backend, prompts)
     finally:
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+        _shut_down(llm)
         del llm
         gc.collect()
     result["total_s"] = time.perf_counter() - t0
     return result
+
+
+def _shut_down(llm) -> None:
+    """Stop the engine's processes now (both ranks' cores are needed by the next engine)."""
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
 
 
 def _generate(llm, backend: str, prompts: list[list[int]]) -> dict:
@@ -313,9 +318,7 @@ def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, mode
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         snaps = llm.collective_rpc("magicpig_stats")
     finally:
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+        _shut_down(llm)
         del llm
         gc.collect()
     expected = calibration_contexts(parse_config({"magicpig": magicpig}), 2048)
