@@ -11,8 +11,9 @@ request is decided as every later one is: by the measured costs, ski-rental.
 
 What is timed is what the engine runs, on the worker's own threads:
 
-* a build: segments laid out as a prompt's first decode lays them out (``planner.segment_layout``),
-  their keys gathered from a paged cache in the platform's layout, hashed and mirrored by the ops;
+* a build: the prompt's centre and segments as its first decode plans them (``planner.segment_layout``),
+  built by the layers' own code (``magicpig_decode.request_centre``, ``build_segment_from_cache``)
+  from a paged cache in the platform's layout;
 * sampling: the ops' one call per layer (``attend_queries``) over those segments, with the sinks
   and the exact tail read from the paged cache;
 * exact attention: the platform's own decode kernel over the same cache (``time_exact``).
@@ -36,7 +37,9 @@ from typing import Any, Callable
 import torch
 
 from vllm_magicpig.config import MagicPigConfig
-from vllm_magicpig.kv_layout import KVViews, gather
+from vllm_magicpig.index import CentreSpec, SegmentKey, SegmentRef
+from vllm_magicpig.kv_layout import KVViews
+from vllm_magicpig.magicpig_decode import build_segment_from_cache, request_centre
 from vllm_magicpig.planner import covered_end_for, largest_segment, segment_layout
 
 MAX_CONTEXT = 32768  # longer contexts are extrapolated, then explored by a build (cost_model.py)
@@ -131,14 +134,16 @@ def time_context(cfg: MagicPigConfig, shape: LayerShape, ops: Any, projection: t
     limit = n - cfg.local_window
     prompt_end = (limit // bs) * bs
     covered = covered_end_for(limit, unit, prompt_end)
-    blocks = tuple(table[0].tolist())
+    row = tuple(table[0].tolist())
+    # the production build: the planner's centre and segment refs, built from the cache as a layer builds them
+    spec = CentreSpec(0, row[: prompt_end // bs], cfg.sink_tokens, prompt_end)
     t0 = time.perf_counter()
-    centre = gather(kv.key, blocks, cfg.sink_tokens, prompt_end).to(torch.float32).mean(dim=0).contiguous()
+    centre = request_centre(None, spec, kv)  # (the centring reads no layer context)
     segments = []
     for start, size in segment_layout(covered, unit, largest_segment(cfg), prompt_end):
-        lo, hi = max(start, cfg.sink_tokens), start + size
-        segments.append(ops.build_segment(gather(kv.key, blocks, lo, hi), gather(kv.value, blocks, lo, hi), centre,
-                                          projection, cfg.K, cfg.L))
+        ref = SegmentRef(SegmentKey(spec.cid, start, size, row[start // bs : (start + size) // bs]),
+                         max(start, cfg.sink_tokens))
+        segments.append(build_segment_from_cache(ops, kv, ref, centre, projection, cfg.K, cfg.L))
     build_s = time.perf_counter() - t0
     dense = torch.tensor([[[0, cfg.sink_tokens], [covered, n]]], dtype=torch.int32)
     out = torch.empty_like(query)
@@ -169,15 +174,16 @@ def calibrate(cost: Any, cfg: MagicPigConfig, shape: LayerShape, ops: Any, proje
     t0 = time.perf_counter()
     points = [time_context(cfg, shape, ops, projection, views, time_exact, n, gen) for n in contexts]
     tokens = sum(p["indexed_tokens"] for p in points)
+    build_s = sum(p["build_s"] for p in points)
     record = {
         "contexts": contexts, "seconds": round(time.perf_counter() - t0, 2),
         "heads": [shape.num_heads, shape.num_kv_heads, shape.head_dim],  # this worker's share: query, KV, dim
         "exact_us": [round(p["exact_s"] * 1e6, 1) for p in points],
         "sparse_us": [round(p["sampled_s"] * 1e6, 1) for p in points],
         "sampled_fraction": [round(p["sampled_fraction"], 4) for p in points],
-        "build_ms_per_1k_tokens": round(sum(p["build_s"] for p in points) / tokens * 1e6, 2),
+        "build_ms_per_1k_tokens": round(build_s / tokens * 1e6, 2),
     }
     cost.calibrate([(1, p["context"], p["exact_s"]) for p in points],
                    [(1, p["context"], p["sampled_s"]) for p in points],
-                   (tokens, sum(p["build_s"] for p in points)), record)
+                   (tokens, build_s), record)
     return record
