@@ -26,8 +26,9 @@ def report(**over) -> dict:
     return r
 
 
-def magicpig_report(sparse=100, held=GB, cap_mb=2048, **over) -> dict:
-    return report(magicpig={"decodes_sparse": sparse, "held_bytes_peak": held, "index_memory_mb": cap_mb}, **over)
+def magicpig_report(sparse=100, held=GB, cap_mb=2048, cost_model=False, **over) -> dict:
+    return report(magicpig={"decodes_sparse": sparse, "held_bytes_peak": held, "index_memory_mb": cap_mb,
+                            "config": {"index_memory_mb": cap_mb, "cost_model": cost_model}}, **over)
 
 
 def test_verdict_passes_a_clean_run():
@@ -46,6 +47,30 @@ def test_verdict_passes_a_clean_run():
 def test_verdict_catches(mp, ex, expected):
     problems = serve_load.verdict({"MAGICPIG": mp, "CPU_ATTN": ex}, [], 4, 1.5)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_run_with_the_cost_model_may_serve_every_decode_exactly():
+    # The default config decides per decode; its counters give the reasons, so no sparse decode is
+    # no failure there, while the run that samples every decode it can (cost model off) must sample.
+    reports = {"MAGICPIG": magicpig_report(sparse=0, cost_model=True),
+               "MAGICPIG-sampled": magicpig_report(sparse=0), "CPU_ATTN": report()}
+    assert serve_load.verdict(reports, [], 4, 1.5) == [
+        "MAGICPIG-sampled: no decode was served sparse (a silent fallback to exact attention?)"]
+
+
+def test_each_magicpig_run_is_checked_against_cpu_attn():
+    reports = {"MAGICPIG": magicpig_report(cost_model=True), "MAGICPIG-sampled": magicpig_report(retrieval_correct=7),
+               "CPU_ATTN": report()}
+    assert serve_load.verdict(reports, [], 4, 1.5) == ["retrieval: MAGICPIG-sampled 7/10 < CPU_ATTN 9/10 - 1"]
+
+
+def test_runs_are_named_and_configured():
+    cfg = {"K": 10, "L": 150, "index_memory_mb": 512}
+    assert serve_load.run_config("MAGICPIG", cfg) == ("MAGICPIG", cfg)
+    assert serve_load.run_config("MAGICPIG-sampled", cfg) == ("MAGICPIG", cfg | {"cost_model": False})
+    assert serve_load.run_config("CPU_ATTN", cfg) == ("CPU_ATTN", None)
+    with pytest.raises(SystemExit, match="unknown run 'FLASH'"):
+        serve_load.run_config("FLASH", cfg)
 
 
 def test_check_flags_a_wrong_response():
