@@ -625,7 +625,31 @@ def breakdown_lines(rows: list[dict], base: dict) -> list[str]:
                      f"{r['tok_per_s'] / b['tok_per_s']:.2f}x | {bound:.2f}x |")
     lines += ["", "A bound below a speed-up target puts that target out of reach of this model on this machine, "
               "whatever the sparse layers cost: the floor and the dense layers alone take longer."]
+    noisy = noisy_rows(parts, base)
+    if noisy:
+        lines += ["", f"Noisy rows (two figures that measure the same thing differ by more than {NOISE:.0%}; rerun "
+                  "them before quoting):", ""] + [f"- {n}" for n in noisy]
     return lines + phase_lines(parts)
+
+
+NOISE = 0.10  # how far two timings of the same thing may differ before a row is flagged noisy
+
+
+def noisy_rows(parts: list[dict], base: dict) -> list[str]:
+    """Rows whose timings disagree with themselves: the two backends' floors (the same model's work over
+    ~64-token prompts, which should match), or a backend's step by request timestamps and by wall time."""
+    out = []
+    for r in parts:
+        b = base[(r["threads"], r["context"], r["batch"])]
+        where = f"{r['threads']}, {r['context']}, batch {r['batch']}"
+        lo, hi = sorted((b["floor_ms_per_step"], r["floor_ms_per_step"]))
+        if hi > lo * (1 + NOISE):
+            out.append(f"{where}: floors {b['floor_ms_per_step']} / {r['floor_ms_per_step']} ms (CPU_ATTN / MAGICPIG)")
+        for x in (b, r):
+            wall = x.get("ms_per_step_wall")
+            if wall and abs(wall - x["ms_per_step"]) > NOISE * x["ms_per_step"]:
+                out.append(f"{where}: {x['backend']}'s step {x['ms_per_step']} ms by timestamps, {wall} by wall time")
+    return out
 
 
 PHASES = ("queries", "lookup", "gather_logits", "softmax_v", "dense", "merge", "set_up")

@@ -158,6 +158,26 @@ def test_breakdown_splits_the_step_and_bounds_the_speed_up_by_the_floor_and_dens
     assert cells[10] == "1.50x" and cells[11] == "2.00x"
 
 
+def test_breakdown_flags_a_row_whose_timings_disagree_with_themselves():
+    # The 12-06 head_dim-128 run 1: floors 20.62 / 16.62 ms, MAGICPIG's step 28.62 by timestamps, 33.66 by wall.
+    rows = _rows()
+    for r in rows:
+        quiet = r["context"] == 4096
+        if r["backend"] == "CPU_ATTN":
+            r.update(floor_ms_per_step=20.62 if not quiet else 16.0, ms_per_step=37.97, ms_per_step_wall=37.35)
+        else:
+            r.update(floor_ms_per_step=16.62 if not quiet else 16.5, ms_per_step=28.62,
+                     ms_per_step_wall=33.66 if not quiet else 29.0, sparse_ms_per_step=2.48, dense_layers=1.0,
+                     layers=4)
+    lines = e2e_decode.table_lines(rows, decode_tokens=32, cold_tokens=0)
+    flagged = [line for line in lines if line.startswith("- default, ")]
+    assert flagged == [
+        "- default, 16384, batch 1: floors 20.62 / 16.62 ms (CPU_ATTN / MAGICPIG)",
+        "- default, 16384, batch 1: MAGICPIG's step 28.62 ms by timestamps, 33.66 by wall time",
+        "- default, 16384, batch 4: floors 20.62 / 16.62 ms (CPU_ATTN / MAGICPIG)",
+        "- default, 16384, batch 4: MAGICPIG's step 28.62 ms by timestamps, 33.66 by wall time"]
+
+
 def test_sparse_time_and_dense_layers_per_step_come_from_the_counters():
     st = {"decode_sparse": 3 * 2 * 10, "decode_exact": {"dense_layer": 1 * 2 * 10}, "sparse_seconds": 0.12}
     # 10 steps of batch 2 over 4 layers (3 sparse, 1 dense): 12 ms of sparse layers a step
