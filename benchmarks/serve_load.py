@@ -45,6 +45,7 @@ from typing import Any
 import aiohttp
 import requests as http
 
+from vllm_magicpig.config import parse_config
 from vllm_magicpig.eval import openai_server as srv
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -322,7 +323,7 @@ def run_config(label: str, magicpig: dict) -> tuple[str, dict | None]:
 def samples_every_decode(cfg: dict) -> bool:
     """Whether a MAGICPIG config samples every decode it can (no cost model deciding against it), so
     a run of it that served no decode sparse fell back to exact attention without a reason."""
-    return cfg.get("cost_model", True) is False
+    return not parse_config({"magicpig": cfg}).cost_model  # the plugin's own defaults decide
 
 
 def run_backend(label: str, model: str, jobs: list[Job], log_dir: Path, magicpig: dict, kv_cache_gb: int,
@@ -398,7 +399,8 @@ def render(args, jobs: list[Job], reports: dict[str, dict], problems: list[str],
     lines += [f"Mix: {', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}; documents {min(docs)}-{max(docs)} "
               f"tokens (mean {statistics.mean(docs):.0f}); {sum(j.stream for j in jobs)} streamed. "
               f"Server: eager, max-model-len {MAX_MODEL_LEN}, KV cache {args.kv_cache_gb} GB, "
-              f"MAGICPIG {json.dumps(args.magicpig)} (MAGICPIG-sampled: and cost_model false).", ""]
+              f"MAGICPIG {json.dumps(args.magicpig)} (MAGICPIG-sampled: and "
+              f"{json.dumps(RUNS['MAGICPIG-sampled'][1])}).", ""]
     lines += ["| backend | wall s | req/s | out tok/s | latency p50/p90/p99 s | retrieval latency p50/p90/p99 s | "
               "TTFT p50/p90/p99 s | retrieval correct | HTTP statuses | RSS idle / peak GB | healthy after |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -421,7 +423,7 @@ def render(args, jobs: list[Job], reports: dict[str, dict], problems: list[str],
         c = r["magicpig"]
         frac = c["sampled_fraction"]
         lines += ["", f"{name}'s counters after the run (from `/metrics`; a decode is one request x layer; config "
-                  f"{json.dumps(c.get('config', {}))}):", "",
+                  f"{json.dumps(c['config'])}):", "",
                   f"- decodes served sparse: {c['decodes_sparse']}; exact, by reason: {c['decodes_exact']}",
                   f"- sampled fraction: {'n/a' if frac is None else f'{frac:.2%}'}",
                   f"- segments: {c['segments']}",

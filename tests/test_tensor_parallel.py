@@ -129,28 +129,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _run(model: str, backend: str, tp: int, prompts: list[list[int]]) -> dict:
     """Start one engine, generate, read the counters, shut it down."""
-    from vllm import LLM
-
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {}
     t0 = time.perf_counter()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        kwargs = dict(
-            model=model,
-            attention_backend=backend,
-            tensor_parallel_size=tp,
-            enforce_eager=True,
-            max_model_len=2048,
-            seed=0,
-            enable_prefix_caching=False,
-        )
-        if tp > 1:
-            kwargs["distributed_executor_backend"] = "mp"
-        if backend == "MAGICPIG":
-            kwargs["additional_config"] = {"magicpig": MAGICPIG}
-        llm = LLM(**kwargs)
+    llm = _start(model, backend, tp, MAGICPIG if backend == "MAGICPIG" else None, enable_prefix_caching=False)
     started = time.perf_counter() - t0
     try:
         result = {"start_s": started, "sampled": _generate(llm, backend, prompts)}
@@ -168,6 +148,23 @@ def _run(model: str, backend: str, tp: int, prompts: list[list[int]]) -> dict:
         gc.collect()
     result["total_s"] = time.perf_counter() - t0
     return result
+
+
+def _start(model: str, backend: str, tp: int, magicpig: dict | None, **engine_kwargs):
+    """An engine of ``tp`` ranks, one core each (``VLLM_CPU_OMP_THREADS_BIND``), with a 1 GiB KV cache."""
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        if tp > 1:
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        kwargs = dict(model=model, attention_backend=backend, tensor_parallel_size=tp, enforce_eager=True,
+                      max_model_len=2048, seed=0, **engine_kwargs)
+        if tp > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        if magicpig is not None:
+            kwargs["additional_config"] = {"magicpig": magicpig}
+        return LLM(**kwargs)
 
 
 def _shut_down(llm) -> None:
@@ -297,7 +294,7 @@ def test_near_exact_sampling_tp2_agrees_with_tp1_as_closely_as_exact_decoding(ru
 def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, model_path):
     """With the cost model on (the default), each rank times its own 4 query / 2 KV heads at start-up
     (cost_calibration.py), and a new prompt's first decodes wait for its build to pay on both."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_magicpig.config import parse_config
     from vllm_magicpig.cost_calibration import calibration_contexts
@@ -306,12 +303,7 @@ def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, mode
     _write_model(path, Path(model_path))
     magicpig = {"min_sparse_context": 256, "segment_tokens": 128, "dense_layers": DENSE_LAYERS,
                 "log_stats_interval": 0}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(model=str(path), attention_backend="MAGICPIG", tensor_parallel_size=2, enforce_eager=True,
-                  max_model_len=2048, seed=0, distributed_executor_backend="mp",
-                  additional_config={"magicpig": magicpig})
+    llm = _start(str(path), "MAGICPIG", 2, magicpig)
     try:
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         llm.generate([{"prompt_token_ids": _prompts(vocab)[1]}],
