@@ -2,6 +2,8 @@
 
     python benchmarks/serve_load.py                       # the full run: 200 concurrent requests
     python benchmarks/serve_load.py --requests 24 --doc-tokens 1024,3072 --out /tmp/serve_load  # CI-sized
+    python benchmarks/serve_load.py --requests 60 --doc-tokens 2048,7168 --answer-tokens 512 \
+        --out benchmarks/results/serve_load_long_answers        # long answers over long documents
 
 Runs (``--backends``): ``MAGICPIG``, the plugin as a user gets it (the cost model on: a decode that
 sampling would not speed up is served exactly, and a prompt is indexed only once its decodes would
@@ -14,7 +16,11 @@ vllm.entrypoints.openai.api_server``, eager mode), and every request of one seed
 sent at once (all concurrent; vLLM queues what does not fit). The workload mixes:
 
 * retrievals: 1K-7K-token documents with a pass key hidden at a random depth (completions,
-  greedy, streaming and not, some with a stop string), answered correctly or not;
+  greedy, streaming and not, some with a stop string), answered correctly or not. With
+  ``--answer-tokens N`` each retrieval instead streams an answer of exactly N tokens (greedy,
+  ``ignore_eos``, no stop string: the key, then the model's continuation), the load in which
+  sampling can pay for a prompt's index: a short answer ends before its decodes have saved what
+  building the index costs, so the cost model rightly serves it exactly;
 * short chats (chat completions, greedy or sampled, streaming and not);
 * ``n > 1`` sampling; stop strings; clients that disconnect after a few streamed chunks;
 * bad requests (over the model length, bad sampling parameters, malformed JSON), which must get a 4xx.
@@ -78,6 +84,7 @@ class Job:
     disconnect_after: int = 0  # streamed chunks read before the client hangs up (0: read all)
     expect_4xx: bool = False
     doc_tokens: int = 0
+    long_answer: bool = False  # a retrieval of --answer-tokens tokens (its decode rate is reported)
 
 
 @dataclass
@@ -93,8 +100,10 @@ class Outcome:
     text: str = ""
 
 
-def make_workload(tokenizer, model: str, num: int, doc_tokens: tuple[int, int], seed: int) -> list[Job]:
-    """``num`` requests in a seeded mix (the same for every backend)."""
+def make_workload(tokenizer, model: str, num: int, doc_tokens: tuple[int, int], seed: int,
+                  answer_tokens: int | None = None) -> list[Job]:
+    """``num`` requests in a seeded mix (the same for every backend); ``answer_tokens``: each retrieval
+    streams an answer of exactly that many tokens instead of a short one."""
     from vllm_magicpig import passkey
 
     rng = random.Random(seed)
@@ -112,11 +121,16 @@ def make_workload(tokenizer, model: str, num: int, doc_tokens: tuple[int, int], 
             p = passkey.build(tokenizer, n_tok, seed=seed * 1000 + i, depth=rng.uniform(0.1, 0.9))
             body = {"model": model, "prompt": p.text, "max_tokens": 12, "temperature": 0}
             stop = None
-            if rng.random() < 0.3:  # the answer is "<key>." or "<key>,": a stop string cuts it
+            cut = rng.random() < 0.3  # drawn either way, so both mixes keep the rest of the seed's draws
+            if answer_tokens:
+                # streamed, so its decode rate can be timed from its first token on
+                body.update(max_tokens=answer_tokens, ignore_eos=True)
+                stream = True
+            elif cut:  # the answer is "<key>." or "<key>,": a stop string cuts it
                 stop = "."
                 body["stop"] = [stop]
             jobs.append(Job(i, kind, "/v1/completions", body, stream, pass_key=p.pass_key, stop=stop,
-                            doc_tokens=p.num_tokens))
+                            doc_tokens=p.num_tokens, long_answer=bool(answer_tokens)))
         elif kind == "chat":
             body = {"model": model, "messages": [{"role": "user", "content": rng.choice(CHATS)}],
                     "max_tokens": 32, "temperature": rng.choice([0, 0.7])}
@@ -226,6 +240,8 @@ def check(job: Job, out: Outcome, texts: list[str], finish: list[str | None]) ->
         return f"finish reasons {finish}"
     if job.stop and any(job.stop in t for t in texts):
         return f"stop string {job.stop!r} in the text"
+    if job.long_answer and out.completion_tokens != job.body["max_tokens"]:
+        return f"{out.completion_tokens} tokens answered, asked for exactly {job.body['max_tokens']} (ignore_eos)"
     if job.pass_key is not None:
         out.correct = job.pass_key in texts[0]
     return None
@@ -270,8 +286,17 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
 
 
+def decode_ms_per_token(out: Outcome) -> float | None:
+    """A streamed answer's time from its first token to its last, per token after the first: its
+    decode rate as its client saw it (None without a first token or a second)."""
+    if out.ttft_s is None or out.completion_tokens < 2 or out.failure:
+        return None
+    return 1e3 * (out.latency_s - out.ttft_s) / (out.completion_tokens - 1)
+
+
 def summarize(jobs: list[Job], outcomes: list[Outcome], wall: float) -> dict[str, Any]:
     served = [o for o, j in zip(outcomes, jobs) if not j.expect_4xx and not j.disconnect_after and o.status == 200]
+    rates = [r for o, j in zip(outcomes, jobs) if j.long_answer and (r := decode_ms_per_token(o)) is not None]
     lat = [o.latency_s for o in served]
     ttft = [o.ttft_s for o in served if o.ttft_s is not None]
     retr = [o for o in outcomes if o.kind == "retrieval" and o.correct is not None]
@@ -284,6 +309,10 @@ def summarize(jobs: list[Job], outcomes: list[Outcome], wall: float) -> dict[str
         "latency_s": {f"p{q}": round(pct(lat, q), 2) for q in (50, 90, 99)} if lat else {},
         "retrieval_latency_s": {f"p{q}": round(pct(retr_lat, q), 2) for q in (50, 90, 99)} if retr_lat else {},
         "ttft_s": {f"p{q}": round(pct(ttft, q), 2) for q in (50, 90, 99)} if ttft else {},
+        # the long answers' decode, ms a token from first token to last (prefill and queueing left out)
+        "long_answers": len(rates),
+        "long_answer_ms_per_token": ({f"p{q}": round(pct(rates, q), 1) for q in (50, 90)}
+                                     | {"mean": round(statistics.mean(rates), 1)}) if rates else {},
         "retrievals": len(retr), "retrieval_correct": sum(o.correct for o in retr),
         "status_counts": {str(s): sum(o.status == s for o in outcomes) for s in sorted({o.status for o in outcomes})},
         "failures": [f"#{o.idx} {o.kind}: {o.failure}" for o in outcomes if o.failure],
@@ -412,11 +441,25 @@ def render(args, jobs: list[Job], reports: dict[str, dict], problems: list[str],
                      f"{r['retrieval_correct']}/{r['retrievals']} | "
                      f"{', '.join(f'{k}: {v}' for k, v in r['status_counts'].items())} | "
                      f"{r['rss_ready_gb']} / {r['rss_peak_gb']} | {r['healthy_after']} |")
+    if any(j.long_answer for j in jobs):
+        lines += ["", f"Long answers: each retrieval streamed {args.answer_tokens} tokens (`--answer-tokens`); "
+                  "its decode rate is its time from first token to last per token after the first, as its "
+                  "client saw it (queueing and prefill, its own and the other requests', left out of it, but "
+                  "not the steps it shared with other requests' prefill chunks).", "",
+                  "| backend | long answers timed | ms a token p50 / p90 / mean |", "|---|---|---|"]
+        for name, r in reports.items():
+            m = r["long_answer_ms_per_token"]
+            lines.append(f"| {name} | {r['long_answers']} | "
+                         + (f"{m['p50']} / {m['p90']} / {m['mean']}" if m else "-") + " |")
     ex = reports.get("CPU_ATTN")
     for name, r in reports.items():
         if "magicpig" in r and ex:
             lines += ["", f"{name} / CPU_ATTN: throughput {r['req_per_s'] / ex['req_per_s']:.2f}x (requests/s), "
                       f"wall time {r['wall_s'] / ex['wall_s']:.2f}x."]
+            mine, theirs = r["long_answer_ms_per_token"], ex["long_answer_ms_per_token"]
+            if mine and theirs:
+                lines[-1] += (f" Long answers' decode: {theirs['mean'] / mine['mean']:.2f}x CPU_ATTN's rate "
+                              f"(mean ms a token {mine['mean']} / {theirs['mean']}).")
     for name, r in reports.items():
         if "magicpig" not in r:
             continue
@@ -437,9 +480,9 @@ def render(args, jobs: list[Job], reports: dict[str, dict], problems: list[str],
 
 def run(requests: int, doc_tokens: tuple[int, int], backends: list[str], out: Path, magicpig: dict,
         kv_cache_gb: int = 4, seed: int = 0, timeout_s: float = 3600, rss_slack_gb: float = 1.5,
-        command: str = "") -> tuple[dict, list[str]]:
+        command: str = "", answer_tokens: int | None = None) -> tuple[dict, list[str]]:
     """Run the load for each run of ``backends`` (labels of RUNS); write ``out``.md/.json; return
-    (reports by label, failed checks)."""
+    (reports by label, failed checks). ``answer_tokens``: the retrievals' answer length (None: short)."""
     from transformers import AutoTokenizer
 
     from vllm_magicpig.models import prepare_smollm2
@@ -448,11 +491,14 @@ def run(requests: int, doc_tokens: tuple[int, int], backends: list[str], out: Pa
     tokenizer = AutoTokenizer.from_pretrained(model)
     for label in backends:  # an unknown run fails before any server starts
         run_config(label, magicpig)
-    jobs = make_workload(tokenizer, model, requests, doc_tokens, seed)
+    if answer_tokens and doc_tokens[1] + answer_tokens > MAX_MODEL_LEN:
+        raise SystemExit(f"documents of up to {doc_tokens[1]} tokens and answers of {answer_tokens} exceed the "
+                         f"server's max-model-len {MAX_MODEL_LEN}: shorten one")
+    jobs = make_workload(tokenizer, model, requests, doc_tokens, seed, answer_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     reports = {b: run_backend(b, model, jobs, out.parent, magicpig, kv_cache_gb, timeout_s) for b in backends}
     problems = verdict(reports, jobs, kv_cache_gb, rss_slack_gb)
-    args = argparse.Namespace(kv_cache_gb=kv_cache_gb, magicpig=magicpig)
+    args = argparse.Namespace(kv_cache_gb=kv_cache_gb, magicpig=magicpig, answer_tokens=answer_tokens)
     out.with_suffix(".md").write_text(render(args, jobs, reports, problems, command))
     out.with_suffix(".json").write_text(json.dumps({"reports": reports, "problems": problems}, indent=1))
     return reports, problems
@@ -465,6 +511,8 @@ def main() -> int:
     ap.add_argument("--backends", default="MAGICPIG,MAGICPIG-sampled,CPU_ATTN",
                     help=f"comma-separated runs, in order: {', '.join(RUNS)}")
     ap.add_argument("--index-mb", type=int, default=2048, help="MAGICPIG's index_memory_mb")
+    ap.add_argument("--answer-tokens", type=int, default=None,
+                    help="each retrieval streams an answer of exactly this many tokens (default: short answers)")
     ap.add_argument("--kv-cache-gb", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_load")
@@ -472,7 +520,8 @@ def main() -> int:
     lo, hi = (int(x) for x in a.doc_tokens.split(","))
     magicpig = {"K": 10, "L": 150, "index_memory_mb": a.index_mb}
     reports, problems = run(a.requests, (lo, hi), a.backends.split(","), a.out, magicpig, a.kv_cache_gb, a.seed,
-                            command="python benchmarks/serve_load.py " + " ".join(sys.argv[1:]))
+                            command="python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+                            answer_tokens=a.answer_tokens)
     print(a.out.with_suffix(".md").read_text())
     return 1 if problems else 0
 

@@ -91,6 +91,43 @@ def test_check_flags_a_wrong_response():
     assert out.correct is False
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from vllm_magicpig.models import prepare_smollm2
+
+    return AutoTokenizer.from_pretrained(str(prepare_smollm2()))
+
+
+def test_long_answers_change_only_the_retrievals(tokenizer):
+    short = serve_load.make_workload(tokenizer, "m", 30, (1024, 2048), seed=3)
+    long = serve_load.make_workload(tokenizer, "m", 30, (1024, 2048), seed=3, answer_tokens=256)
+    assert [j.kind for j in long] == [j.kind for j in short]
+    retrievals = [(s, j) for s, j in zip(short, long) if j.kind == "retrieval"]
+    assert len(retrievals) >= 5 and any(s.stop for s, _ in retrievals)  # some short ones had a stop string
+    for s, j in retrievals:
+        assert j.long_answer and j.stream and j.stop is None and "stop" not in j.body
+        assert j.body["max_tokens"] == 256 and j.body["ignore_eos"] is True
+        assert j.body["prompt"] == s.body["prompt"] and j.pass_key == s.pass_key
+    for s, j in zip(short, long):
+        if j.kind != "retrieval":
+            assert (j.body, j.stream, j.long_answer) == (s.body, s.stream, False)
+
+
+def test_long_answers_are_checked_and_timed():
+    job = serve_load.Job(0, "retrieval", "/v1/completions", {"max_tokens": 256}, True, pass_key="777",
+                         long_answer=True)
+    cut = serve_load.Outcome(0, "retrieval", status=200, completion_tokens=200, latency_s=3.0, ttft_s=1.0)
+    assert "200 tokens answered, asked for exactly 256" in serve_load.check(job, cut, ["777 ..."], ["length"])
+    full = serve_load.Outcome(0, "retrieval", status=200, completion_tokens=256, latency_s=3.55, ttft_s=1.0)
+    assert serve_load.check(job, full, ["777 ..."], ["length"]) is None and full.correct
+    assert serve_load.decode_ms_per_token(full) == pytest.approx(10.0)  # 2.55 s over 255 tokens after the first
+    assert serve_load.decode_ms_per_token(serve_load.Outcome(1, "retrieval", completion_tokens=256)) is None
+    summary = serve_load.summarize([job], [full], wall=4.0)
+    assert summary["long_answers"] == 1 and summary["long_answer_ms_per_token"]["mean"] == pytest.approx(10.0)
+
+
 @pytest.mark.server
 def test_load_ci_sized(tmp_path):
     # 20 requests (6 retrievals over 1-2K-token documents, ~10K prompt tokens in all): the smallest mix
