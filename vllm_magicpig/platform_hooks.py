@@ -14,6 +14,10 @@
    ``magicpig_clear_index``, plus the RPCs extensions registered (the accuracy harness's
    ``magicpig_set_eval`` ...), for ``LLM.collective_rpc`` (named methods need no insecure
    serialization). Each acts on the worker's runtime (``runtime.current()``).
+6. On CPU, a seeded request whose prompt is prefilled in chunks no longer kills the engine
+   (``cpu_seeded_sampling``): the worker's runner class is patched when the worker wrapper
+   initialises its device, after vLLM imported it (plugins load inside ``init_worker``, too
+   early to wrap it), whatever the attention backend.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ def install() -> None:
         _patch_cpu_platform()
         _patch_other_platform()
         _patch_worker_rpc()
+        _patch_cpu_seeded_sampling()
 
 
 def _register_enum_member() -> None:
@@ -162,6 +167,31 @@ def _patch_worker_rpc() -> None:
     for name, fn in rpcs.items():
         if getattr(WorkerWrapperBase, name, None) is None:
             setattr(WorkerWrapperBase, name, _worker_method(fn))
+
+
+def _patch_cpu_seeded_sampling() -> None:
+    import sys
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from vllm_magicpig import cpu_seeded_sampling
+
+    def patch_loaded_runner() -> None:
+        module = sys.modules.get(cpu_seeded_sampling.RUNNER_MODULE)
+        if module is not None:
+            cpu_seeded_sampling.patch(module.CPUModelRunner)
+
+    patch_loaded_runner()  # a process that imported the runner before loading plugins
+    init_device = WorkerWrapperBase.init_device
+    if getattr(init_device, _MARK, False):
+        return
+
+    def wrapped_init_device(self, *args, **kwargs):
+        patch_loaded_runner()  # init_worker has imported the platform's worker and its runner
+        return init_device(self, *args, **kwargs)
+
+    setattr(wrapped_init_device, _MARK, True)
+    WorkerWrapperBase.init_device = wrapped_init_device
 
 
 def _worker_method(fn):
