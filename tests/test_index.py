@@ -156,11 +156,63 @@ def test_a_segment_that_cannot_fit_beside_the_ones_in_use_is_not_kept(store):
     assert store.get_or_build(LAYER, refs[0], build, merge, cap_bytes=8000) is not None
     assert store.get_or_build(LAYER, refs[1], build, merge, cap_bytes=8000) is not None
     assert store.get_or_build(LAYER, refs[2], build, merge, cap_bytes=8000) is None
-    assert store.stats.index["segments_refused"] == 1 and store.stats.index["segments_built"] == 3
+    # refused before it was built: the layer's segments so far take 4000 bytes for 252 tokens
+    assert store.stats.index["segments_refused"] == 1 and store.stats.index["segments_built"] == 2
     assert store.stats.held_bytes_peak == 8000 and len(store) == 2
     store.begin_step()  # next step the older ones are evictable again
     assert store.get_or_build(LAYER, refs[2], build, merge, cap_bytes=8000) is not None
-    assert store.stats.held_bytes_peak == 8000
+    assert store.stats.index["segments_built"] == 3 and store.stats.held_bytes_peak == 8000
+
+
+def counting(fn):
+    """``fn``, counting its calls in ``.calls``."""
+    def wrapped(*args):
+        wrapped.calls += 1
+        return fn(*args)
+    wrapped.calls = 0
+    return wrapped
+
+
+def test_a_segment_that_cannot_fit_is_not_built_step_after_step(store):
+    """A store full of segments in use refuses a new one before building it, every step it stays
+    full; the first segment of a layer is built to learn its size, as is one whose owner differs."""
+    builds = counting(build)
+    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20, 30)]
+    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20, 30))]
+    for _ in range(5):
+        store.begin_step()
+        assert store.get_or_build(LAYER, refs[0], builds, merge, cap_bytes=8000) is not None
+        assert store.get_or_build(LAYER, refs[1], builds, merge, cap_bytes=8000) is not None
+        assert store.get_or_build(LAYER, refs[2], builds, merge, cap_bytes=8000) is None
+    assert builds.calls == 2 and store.stats.index["segments_refused"] == 5
+    # another layer has no segment yet: its first one is built (and refused: the cap is shared)
+    assert store.get_or_build("other", refs[2], builds, merge, cap_bytes=8000) is None
+    assert builds.calls == 3 and store.stats.index["segments_refused"] == 6
+    # without a cap nothing is refused
+    assert store.get_or_build(LAYER, refs[2], builds, merge) is not None and builds.calls == 4
+
+
+def test_a_growth_is_checked_for_room_for_its_new_tokens_only(store):
+    """Growing a segment by merging needs room for the new tokens (the base makes way); where even
+    that is not there, nothing is built."""
+    builds = counting(build)
+    spec = store.new_centre((1, 2), 4, 256)
+    other = store.new_centre((7, 8), 4, 256)
+    base = ref(spec.cid, 0, 256, (1, 2), first=4)
+    grown = ref(spec.cid, 0, 512, (1, 2, 3, 4), first=4)
+    assert store.get_or_build(LAYER, ref(other.cid, 0, 256, (7, 8)), builds, merge, cap_bytes=12000) is not None
+    assert store.get_or_build(LAYER, base, builds, merge, cap_bytes=12000) is not None  # 2 x 4000 held
+    store.begin_step()
+    store.get_segment(LAYER, ref(other.cid, 0, 256, (7, 8)).key)  # in use this step: not evictable
+    seg = store.get_or_build(LAYER, grown, builds, merge, cap_bytes=12000)  # +256 tokens: ~4000 more fits
+    assert seg is not None and seg.tokens == (4, 512) and builds.calls == 3
+    assert store.peek_segment(LAYER, base.key) is None  # the base made way
+    store.begin_step()
+    store.get_segment(LAYER, ref(other.cid, 0, 256, (7, 8)).key)
+    store.get_segment(LAYER, grown.key)
+    longer = ref(spec.cid, 0, 768, (1, 2, 3, 4, 5, 6), first=4)
+    assert store.get_or_build(LAYER, longer, builds, merge, cap_bytes=12000) is None  # 12000 held, all in use
+    assert builds.calls == 3 and store.stats.index["segments_refused"] == 1
 
 
 def test_clear_keeps_the_counters(store):

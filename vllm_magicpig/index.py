@@ -124,6 +124,9 @@ class IndexStore:
         self._block_centres: dict[int, set[int]] = defaultdict(set)
         self.index_bytes = 0
         self.mirror_bytes = 0
+        # layer -> bytes a token of its last stored (or refused) segment took, index and mirror:
+        # what a new segment's room is checked against before it is built (_room_for)
+        self._bytes_per_token: dict[Hashable, float] = {}
 
     # ------------------------------------------------------------------ centres
     def find_centre(self, row: list[int]) -> CentreSpec | None:
@@ -207,7 +210,10 @@ class IndexStore:
         With ``cap_bytes``, least recently used segments are evicted to make room for a new one
         before it is stored; when the segments in use this step leave no room, the new one is
         not stored and None is returned (the caller serves the request exactly), so the store
-        never holds more than the cap."""
+        never holds more than the cap. Where the layer's earlier segments say it would not fit,
+        it is not built either: under load a store full of segments in use refused, and rebuilt
+        the next step, the same segments step after step (a server spent 935 s building 24,026
+        segments, 20,532 of them refused: ``benchmarks/serve_load.py --answer-tokens 512``)."""
         seg = self.get_segment(layer, ref.key)
         if seg is not None:
             return seg
@@ -218,6 +224,8 @@ class IndexStore:
             base = self.peek_segment(layer, base_key)
             if base is None:
                 continue
+            if not self._room_for(layer, size - shorter, cap_bytes):  # the growth: the base makes way
+                return self._refuse()
             rest = self._build(build, SegmentRef(SegmentKey(cid, start + shorter, size - shorter,
                                                             blocks[shorter // block_size :]), start + shorter))
             t0 = time.perf_counter()
@@ -227,7 +235,22 @@ class IndexStore:
             if not self.used_this_step(layer, base_key):  # nobody else reads it now
                 self.drop_segment(layer, base_key)
             return self._store(layer, ref, seg, cap_bytes)
+        if not self._room_for(layer, ref.num_tokens, cap_bytes):
+            return self._refuse()
         return self._store(layer, ref, self._build(build, ref), cap_bytes)
+
+    def _room_for(self, layer: Hashable, tokens: int, cap_bytes: int | None) -> bool:
+        """Whether ``tokens`` more tokens of the layer's segments would fit under the cap once the
+        segments not in use this step are evicted (evicting them as needed), at the bytes a token
+        of its last segment took. Until one was built, or without a cap: yes (build and see)."""
+        per_token = self._bytes_per_token.get(layer)
+        if cap_bytes is None or per_token is None:
+            return True
+        return self.enforce_cap(cap_bytes - int(per_token * tokens))
+
+    def _refuse(self) -> None:
+        self.stats.index["segments_refused"] += 1  # no room under the cap: not kept
+        return None
 
     def install(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None = None) -> Segment | None:
         """Store a segment built elsewhere (the background indexer), counted as built; under the
@@ -236,9 +259,10 @@ class IndexStore:
         return self._store(layer, ref, seg, cap_bytes)
 
     def _store(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None) -> Segment | None:
-        if cap_bytes is not None and not self.enforce_cap(cap_bytes - seg.index_bytes - seg.mirror_bytes):
-            self.stats.index["segments_refused"] += 1  # no room under the cap: not kept
-            return None
+        need = seg.index_bytes + seg.mirror_bytes
+        self._bytes_per_token[layer] = need / max(ref.num_tokens, 1)
+        if cap_bytes is not None and not self.enforce_cap(cap_bytes - need):
+            return self._refuse()
         self.put_segment(layer, ref.key, seg)
         return seg
 

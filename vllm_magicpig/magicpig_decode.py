@@ -58,8 +58,13 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
         centre = index.centre(ctx.name, plan.centres[r], compute_centre)
         refs = plan.segments[r]
         build = make_build(centre)
-        segs = [index.get_or_build(owner, ref, build, rt.ops.merge_segments, rt.cap_bytes) for ref in refs]
-        fits = all(seg is not None for seg in segs)
+        segs = []
+        for ref in refs:  # up to the first that does not fit: building the rest would be for nothing
+            seg = index.get_or_build(owner, ref, build, rt.ops.merge_segments, rt.cap_bytes)
+            if seg is None:
+                break
+            segs.append(seg)
+        fits = len(segs) == len(refs)
         if not fits:
             index.drop_refs(owner, refs)
         if not fits or not index.reserve(owner, refs, rt.cap_bytes):
