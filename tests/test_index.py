@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_magicpig.index import IndexStore, SegmentKey, SegmentRef
+from vllm_magicpig.index import ACTIVE_STEPS, IndexStore, SegmentKey, SegmentRef
 from vllm_magicpig.stats import Stats
 
 LAYER, OTHER = "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"
@@ -35,7 +35,9 @@ def merge(parts) -> FakeSegment:
 
 @pytest.fixture
 def store():
-    return IndexStore(Stats(), grow_step=256)
+    # A segment counts as in use for one step: the eviction mechanics, step by step. The default
+    # window (ACTIVE_STEPS) has its own test.
+    return IndexStore(Stats(), grow_step=256, active_steps=1)
 
 
 def ref(cid: int, start: int, size: int, blocks: tuple, first: int | None = None) -> SegmentRef:
@@ -139,7 +141,7 @@ def test_with_a_cap_room_is_made_before_a_new_segment_is_stored(store):
     assert store.stats.index["segments_evicted"] == 2 and len(store) == 2
     assert store.peek_segment(LAYER, refs[3].key) is not None and store.peek_segment(LAYER, refs[0].key) is None
     # Without the cap at build time, the store would hold three segments before reserve evicts one.
-    other = IndexStore(Stats(), grow_step=256)
+    other = IndexStore(Stats(), grow_step=256, active_steps=1)
     for r in refs[:3]:
         other.begin_step()
         other.get_or_build(LAYER, r, build, merge)
@@ -258,3 +260,35 @@ def test_the_store_hands_out_the_key_object_its_segments_are_held_under(store):
     store.drop_segment(OTHER, held)
     assert store.canonical_key(fresh) is fresh
     assert store._canonical == {}
+
+
+def test_segments_of_requests_still_decoding_are_not_evicted_for_another_request():
+    """Two requests decoding together whose segments do not both fit: under the default window the
+    first keeps its segment and is sampled every step, the second is refused without a build; once
+    the first stops for ACTIVE_STEPS steps, its segment makes way. (Evicting the least recently used
+    instead rebuilt and evicted the two in turn, one build a step.)"""
+    store = IndexStore(Stats(), grow_step=256)
+    assert store.active_steps == ACTIVE_STEPS
+    builds = counting(build)
+    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20)]
+    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20))]
+    for _ in range(3 * ACTIVE_STEPS):
+        store.begin_step()
+        assert store.get_or_build(LAYER, refs[0], builds, merge, cap_bytes=6000) is not None
+        assert store.get_or_build(LAYER, refs[1], builds, merge, cap_bytes=6000) is None
+    assert builds.calls == 1 and store.stats.index["segments_evicted"] == 0
+    for step in range(ACTIVE_STEPS):  # the first request has finished
+        store.begin_step()
+        got = store.get_or_build(LAYER, refs[1], builds, merge, cap_bytes=6000)
+        assert (got is not None) == (step == ACTIVE_STEPS - 1), step
+    assert builds.calls == 2 and store.stats.index["segments_evicted"] == 1
+    # At the start of a step nothing has been used in it yet: with a one-step window the background
+    # indexer's install of another prompt evicted a request decoding since the step before (whose
+    # layers then rebuilt it, evicting others in turn); with the default window it is refused.
+    for window, evicts in ((1, True), (ACTIVE_STEPS, False)):
+        s = IndexStore(Stats(), grow_step=256, active_steps=window)
+        s.begin_step()
+        assert s.get_or_build(LAYER, refs[0], build, merge, cap_bytes=6000) is not None
+        s.begin_step()
+        assert (s.install(LAYER, refs[1], build(refs[1]), cap_bytes=6000) is not None) == evicts
+        assert (s.peek_segment(LAYER, refs[0].key) is None) == evicts
