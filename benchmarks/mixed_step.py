@@ -1,0 +1,122 @@
+"""What a decode step costs when it samples some requests and attends the others exactly, against CPU_ATTN.
+
+    python benchmarks/mixed_step.py [--batches 2,8,21] [--sampled-context 4608] [--exact-context 4096]
+
+Under load most steps mix requests that MAGICPIG samples with requests it serves exactly (their
+index deferred, evicted at the cap, or sampling slower for them). Such a step attends every decode
+request of a sparse layer in MAGICPIG's one native call, the exact ones over their whole context
+(``magicpig_decode.py``), where a step that samples none leaves them all to vLLM's kernel. This
+times that step at the vLLM seam, as ``exact_service.py`` does (both backends' metadata builders
+and impls, SmolLM2's shape, one engine step of 30 layers, alternating in one process on one
+thread): one request of ``--sampled-context`` keys is sampled (cost model off), the batch's other
+requests, of ``--exact-context`` keys, are served exactly as ``short_context``; the counters check
+that. Run it with the worker's one core (``taskset -c 1``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import exact_service as seam  # noqa: E402  (the harness at the vLLM seam)
+
+
+def run(model: str, sampled_ctx: int, exact_ctx: int, batch: int, steps: int) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
+
+    if exact_ctx >= sampled_ctx:
+        raise SystemExit("--exact-context must be below --sampled-context (it is what keeps them exact)")
+    D, HKV, H, BS, LAYERS = seam.D, seam.HKV, seam.H, seam.BS, seam.LAYERS
+    cfg = seam.vllm_config(model, {"background_index": False, "log_stats_interval": 0, "cost_calibration": False,
+                                   "cost_model": False, "min_sparse_context": exact_ctx + 1})
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(batch)
+    lens = [sampled_ctx] + [exact_ctx] * (batch - 1)
+    cols = -(-sampled_ctx // BS)
+    cache = (torch.randn(batch * cols + 1, HKV, BS, 2 * D, generator=gen) * 0.5).bfloat16()
+    block_table = torch.randperm(batch * cols, generator=gen).view(batch, cols).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    slots = torch.stack([block_table[r, (n - 1) // BS].long() * BS + (n - 1) % BS for r, n in enumerate(lens)])
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=batch, num_actual_tokens=batch,
+        max_query_len=1, max_seq_len=sampled_ctx, block_table_tensor=block_table, slot_mapping=slots,
+        seq_lens_cpu_upper_bound=seq, is_prefilling=torch.zeros(batch, dtype=torch.bool))
+    q = torch.randn(batch, H, D, generator=gen).bfloat16()
+    kv_new = torch.randn(batch, HKV, D, generator=gen).bfloat16()
+    out = torch.empty(batch, H, D, dtype=torch.bfloat16)
+    layers = [seam._Layer(n) for n in names]
+    with set_current_vllm_config(cfg):
+        builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),
+                    "CPU_ATTN": CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))}
+        builders["CPU_ATTN"].isa = builders["MAGICPIG"].isa  # one cache, MAGICPIG's layout (exact_service.py)
+        for layer in layers:
+            layer.isa = builders["MAGICPIG"].isa
+        args = (H, D, D**-0.5, HKV, None, None, "auto")
+        impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
+                 "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}
+
+        def step(name: str) -> None:
+            meta = builders[name].build(0, cam)
+            for layer, impl in zip(layers, impls[name]):
+                impl.forward(layer, q, kv_new, kv_new, cache, meta, out)
+
+        times: dict[str, list[float]] = {"MAGICPIG": [], "CPU_ATTN": []}
+        for i in range(steps + 3):  # the first 3 warm up (and build the sampled request's index)
+            for name in (("MAGICPIG", "CPU_ATTN") if i % 2 else ("CPU_ATTN", "MAGICPIG")):
+                t0 = time.perf_counter()
+                step(name)
+                if i >= 3:
+                    times[name].append(time.perf_counter() - t0)
+        st = builders["MAGICPIG"].runtime.stats.snapshot()
+    sparse_layers = LAYERS - len(builders["MAGICPIG"].runtime.dense_layers)
+    calls = (steps + 3) * sparse_layers
+    want = {"short_context": calls * (batch - 1)} if batch > 1 else {}
+    got = {k: v for k, v in st["decode_exact"].items() if k != "dense_layer"}
+    assert st["decode_sparse"] == calls and got == want, st  # one sampled request per sparse layer, the rest exact
+    row = {"batch": batch, "sampled_context": sampled_ctx, "exact_context": exact_ctx, "steps": steps}
+    for name, ts in times.items():
+        row[f"{name}_step_ms"] = round(1e3 * statistics.median(ts), 2)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="2,8,21", help="requests a step: one sampled, the rest exact")
+    ap.add_argument("--sampled-context", type=int, default=4608)
+    ap.add_argument("--exact-context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=12, help="timed steps of each backend per row")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # vLLM's default binding gives the worker one core here
+
+    import vllm_magicpig
+    from vllm_magicpig.models import prepare_smollm2
+
+    vllm_magicpig.register()
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's CPU ops)
+
+    model = str(prepare_smollm2())
+    print(f"one engine step (30 layers), both backends alternating, medians of {args.steps}: one request of "
+          f"{args.sampled_context} keys sampled, the others of {args.exact_context} keys exact")
+    print("| batch | CPU_ATTN step ms | MAGICPIG step ms | MAGICPIG speed-up |")
+    print("|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        r = run(model, args.sampled_context, args.exact_context, batch, args.steps)
+        print(f"| {batch} | {r['CPU_ATTN_step_ms']} | {r['MAGICPIG_step_ms']} | "
+              f"{r['CPU_ATTN_step_ms'] / r['MAGICPIG_step_ms']:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
