@@ -86,9 +86,30 @@ def prime_deferral(cost, ctx: int) -> None:
     cost.observe_build(1, 1e3)
 
 
+def decode_batch(lens: list[int], gen: torch.Generator) -> tuple:
+    """One decode step's inputs at the seam for requests of ``lens`` keys (one new token each):
+    a random paged cache (SmolLM2's shape, blocks in random order), vLLM's common metadata, the
+    queries, the new K/V rows and the output buffer."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    batch, blocks = len(lens), -(-max(lens) // BS)
+    cache = (torch.randn(batch * blocks + 1, HKV, BS, 2 * D, generator=gen) * 0.5).bfloat16()
+    block_table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    last = (seq.long() - 1)
+    slots = block_table.long().gather(1, (last // BS).view(-1, 1)).view(-1) * BS + last % BS
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=batch, num_actual_tokens=batch,
+        max_query_len=1, max_seq_len=max(lens), block_table_tensor=block_table, slot_mapping=slots,
+        seq_lens_cpu_upper_bound=seq, is_prefilling=torch.zeros(batch, dtype=torch.bool))
+    q = torch.randn(batch, H, D, generator=gen).bfloat16()
+    kv_new = torch.randn(batch, HKV, D, generator=gen).bfloat16()
+    return cache, cam, q, kv_new, torch.empty(batch, H, D, dtype=torch.bfloat16)
+
+
 def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer, reason: str = "short_context") -> dict:
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -101,20 +122,7 @@ def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer, reaso
     cfg = vllm_config(model, magicpig)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(ctx + batch)
-    blocks = (ctx + BS - 1) // BS
-    cache = (torch.randn(batch * blocks + 1, HKV, BS, 2 * D, generator=gen) * 0.5).bfloat16()
-    block_table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
-    seq = torch.full((batch,), ctx, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    slots = block_table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
-    cam = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=batch, num_actual_tokens=batch,
-        max_query_len=1, max_seq_len=ctx, block_table_tensor=block_table, slot_mapping=slots,
-        seq_lens_cpu_upper_bound=seq, is_prefilling=torch.zeros(batch, dtype=torch.bool))
-    q = torch.randn(batch, H, D, generator=gen).bfloat16()
-    kv_new = torch.randn(batch, HKV, D, generator=gen).bfloat16()
-    out = torch.empty(batch, H, D, dtype=torch.bfloat16)
+    cache, cam, q, kv_new, out = decode_batch([ctx] * batch, torch.Generator().manual_seed(ctx + batch))
     layers = [_Layer(n) for n in names]
     with set_current_vllm_config(cfg):
         builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),

@@ -28,7 +28,6 @@ import exact_service as seam  # noqa: E402  (the harness at the vLLM seam)
 
 def run(model: str, sampled_ctx: int, exact_ctx: int, batch: int, steps: int) -> dict:
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -41,21 +40,8 @@ def run(model: str, sampled_ctx: int, exact_ctx: int, batch: int, steps: int) ->
                                    "cost_model": False, "min_sparse_context": exact_ctx + 1})
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(batch)
     lens = [sampled_ctx] + [exact_ctx] * (batch - 1)
-    cols = -(-sampled_ctx // BS)
-    cache = (torch.randn(batch * cols + 1, HKV, BS, 2 * D, generator=gen) * 0.5).bfloat16()
-    block_table = torch.randperm(batch * cols, generator=gen).view(batch, cols).to(torch.int32)
-    seq = torch.tensor(lens, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    slots = torch.stack([block_table[r, (n - 1) // BS].long() * BS + (n - 1) % BS for r, n in enumerate(lens)])
-    cam = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=batch, num_actual_tokens=batch,
-        max_query_len=1, max_seq_len=sampled_ctx, block_table_tensor=block_table, slot_mapping=slots,
-        seq_lens_cpu_upper_bound=seq, is_prefilling=torch.zeros(batch, dtype=torch.bool))
-    q = torch.randn(batch, H, D, generator=gen).bfloat16()
-    kv_new = torch.randn(batch, HKV, D, generator=gen).bfloat16()
-    out = torch.empty(batch, H, D, dtype=torch.bfloat16)
+    cache, cam, q, kv_new, out = seam.decode_batch(lens, torch.Generator().manual_seed(batch))
     layers = [seam._Layer(n) for n in names]
     with set_current_vllm_config(cfg):
         builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),

@@ -1,6 +1,8 @@
 """Test fixtures shared by several test files (kept out of the package)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vllm_magicpig.kv_layout import CpuVecLayout, logical_blocks
@@ -81,3 +83,13 @@ def paged_attention_with_lse(query, kv, block_table, seq_lens, scale, max_seq_le
         lse[:, r] = torch.logsumexp(logits, dim=-1)
         out[r] = torch.einsum("hn,nhd->hd", torch.softmax(logits, dim=-1), v[:, kv_head])
     return out.to(query.dtype), lse
+
+
+@contextlib.contextmanager
+def torch_threads_kept():
+    """A benchmark's main() sets torch's threads to the worker's one core; the test process keeps its own."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

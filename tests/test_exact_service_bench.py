@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import torch_threads_kept
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import exact_service  # noqa: E402
@@ -16,11 +18,8 @@ def test_one_row_times_both_backends_and_restores_vllms_op(model_path, capsys):
     import vllm._custom_ops  # noqa: F401
 
     op = torch.ops._C.cpu_attention_with_kv_cache
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads_kept():
         assert exact_service.main(["--contexts", "1024", "--batches", "2", "--steps", "2"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1024 | 2 |")]
     assert len(rows) == 1, rows
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
@@ -34,12 +33,9 @@ def test_deferred_path_serves_every_decode_exactly_as_index_deferred(model_path,
     decode was exact for that reason (a build, a sampled decode or another reason fails it)."""
     import vllm._custom_ops  # noqa: F401
 
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads_kept():
         assert exact_service.main(["--contexts", "2048", "--batches", "2", "--steps", "3",
                                    "--reason", "index_deferred"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "exact as index_deferred" in out
     assert len([line for line in out.splitlines() if line.startswith("| 2048 | 2 |")]) == 1

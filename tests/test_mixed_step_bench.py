@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from helpers import torch_threads_kept
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -15,12 +16,9 @@ import mixed_step  # noqa: E402
 
 
 def test_a_tiny_mixed_row_runs_and_mixes(model_path, capsys):
-    threads = torch.get_num_threads()
-    try:
+    with torch_threads_kept():
         assert mixed_step.main(["--batches", "1,3", "--sampled-context", "1536", "--exact-context", "1024",
                                 "--steps", "2"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
     assert len(rows) == 2, rows
     for row in rows:
