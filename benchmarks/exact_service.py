@@ -97,7 +97,7 @@ def decode_batch(lens: list[int], gen: torch.Generator) -> tuple:
     block_table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    last = (seq.long() - 1)
+    last = seq.long() - 1
     slots = block_table.long().gather(1, (last // BS).view(-1, 1)).view(-1) * BS + last % BS
     cam = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=batch, num_actual_tokens=batch,
@@ -108,52 +108,71 @@ def decode_batch(lens: list[int], gen: torch.Generator) -> tuple:
     return cache, cam, q, kv_new, torch.empty(batch, H, D, dtype=torch.bfloat16)
 
 
-def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer, reason: str = "short_context") -> dict:
-    from vllm.config import set_current_vllm_config
+def seam_backends(cfg, cache: torch.Tensor, cam, q: torch.Tensor, kv_new: torch.Tensor, out: torch.Tensor):
+    """Both backends' metadata builders at SmolLM2's shape (30 layers), and ``step(name)``: one engine
+    step of that backend over the batch (``decode_batch``'s inputs). Call inside
+    ``set_current_vllm_config(cfg)``."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
     from vllm_magicpig.kv_layout import amx_granted
 
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+    layers = [_Layer(n) for n in names]
+    builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),
+                "CPU_ATTN": CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))}
+    # One cache serves both, in the layout MAGICPIG's builder chose: on an AMX CPU, vLLM's would
+    # pick "amx" and read that cache as AMX tiles (SIGILL in a process without AMX state).
+    builders["CPU_ATTN"].isa = builders["MAGICPIG"].isa
+    for layer in layers:  # the KV write's layout, as vLLM sets it on its layers
+        layer.isa = builders["MAGICPIG"].isa
+    if builders["MAGICPIG"].isa == "amx":
+        amx_granted()  # vLLM's AMX kernel runs here with no matmul before it to ask for the state
+    args = (H, D, D**-0.5, HKV, None, None, "auto")
+    impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
+             "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}
+
+    def step(name: str) -> None:
+        meta = builders[name].build(0, cam)
+        for layer, impl in zip(layers, impls[name]):
+            impl.forward(layer, q, kv_new, kv_new, cache, meta, out)
+
+    return builders, step
+
+
+WARM_TURNS = 3  # turns of both backends before the timed ones
+
+
+def time_in_turn(step, steps: int, timer: _KernelTimer | None = None) -> dict[str, list[tuple[float, float]]]:
+    """Each backend's ``steps`` steps after ``WARM_TURNS`` warm-up turns, the two alternating (each turn reverses the
+    order): (seconds, of them inside vLLM's kernel op with a ``timer``, else 0)."""
+    times: dict[str, list[tuple[float, float]]] = {"MAGICPIG": [], "CPU_ATTN": []}
+    for i in range(steps + WARM_TURNS):
+        for name in (("MAGICPIG", "CPU_ATTN") if i % 2 else ("CPU_ATTN", "MAGICPIG")):
+            if timer is not None:
+                timer.seconds = 0.0
+            t0 = time.perf_counter()
+            step(name)
+            if i >= WARM_TURNS:
+                times[name].append((time.perf_counter() - t0, 0.0 if timer is None else timer.seconds))
+    return times
+
+
+def run(model: str, ctx: int, batch: int, steps: int, timer: _KernelTimer, reason: str = "short_context") -> dict:
+    from vllm.config import set_current_vllm_config
+
     magicpig = {"background_index": False, "log_stats_interval": 0, "cost_calibration": False}  # primed by hand
     if reason == "short_context":
         magicpig["min_sparse_context"] = ctx + 1
     cfg = vllm_config(model, magicpig)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
-    cache, cam, q, kv_new, out = decode_batch([ctx] * batch, torch.Generator().manual_seed(ctx + batch))
-    layers = [_Layer(n) for n in names]
+    inputs = decode_batch([ctx] * batch, torch.Generator().manual_seed(ctx + batch))
     with set_current_vllm_config(cfg):
-        builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),
-                    "CPU_ATTN": CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))}
-        # One cache serves both, in the layout MAGICPIG's builder chose: on an AMX CPU, vLLM's would
-        # pick "amx" and read that cache as AMX tiles (SIGILL in a process without AMX state).
-        builders["CPU_ATTN"].isa = builders["MAGICPIG"].isa
-        for layer in layers:  # the KV write's layout, as vLLM sets it on its layers
-            layer.isa = builders["MAGICPIG"].isa
-        if builders["MAGICPIG"].isa == "amx":
-            amx_granted()  # vLLM's AMX kernel runs here with no matmul before it to ask for the state
-        args = (H, D, D**-0.5, HKV, None, None, "auto")
-        impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
-                 "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}
-
+        builders, step = seam_backends(cfg, *inputs)
         if reason == "index_deferred":
             prime_deferral(builders["MAGICPIG"].runtime.cost, ctx)
-
-        def step(name: str) -> None:
-            meta = builders[name].build(0, cam)
-            for layer, impl in zip(layers, impls[name]):
-                impl.forward(layer, q, kv_new, kv_new, cache, meta, out)
-
-        times: dict[str, list[tuple[float, float]]] = {"MAGICPIG": [], "CPU_ATTN": []}
-        for i in range(steps + 3):
-            for name in (("MAGICPIG", "CPU_ATTN") if i % 2 else ("CPU_ATTN", "MAGICPIG")):
-                timer.seconds = 0.0
-                t0 = time.perf_counter()
-                step(name)
-                if i >= 3:  # the first steps warm up
-                    times[name].append((time.perf_counter() - t0, timer.seconds))
+        times = time_in_turn(step, steps, timer)
         st = builders["MAGICPIG"].runtime.stats.snapshot()
     assert st["decode_sparse"] == 0 and set(st["decode_exact"]) == {reason, "dense_layer"}, st
     row = {"context": ctx, "batch": batch, "steps": steps, "reason": reason}

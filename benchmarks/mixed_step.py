@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,52 +27,25 @@ import exact_service as seam  # noqa: E402  (the harness at the vLLM seam)
 
 def run(model: str, sampled_ctx: int, exact_ctx: int, batch: int, steps: int) -> dict:
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from vllm_magicpig.backend import MagicPigImpl, MagicPigMetadataBuilder
 
     if exact_ctx >= sampled_ctx:
         raise SystemExit("--exact-context must be below --sampled-context (it is what keeps them exact)")
-    D, HKV, H, BS, LAYERS = seam.D, seam.HKV, seam.H, seam.BS, seam.LAYERS
     cfg = seam.vllm_config(model, {"background_index": False, "log_stats_interval": 0, "cost_calibration": False,
                                    "cost_model": False, "min_sparse_context": exact_ctx + 1})
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
     lens = [sampled_ctx] + [exact_ctx] * (batch - 1)
-    cache, cam, q, kv_new, out = seam.decode_batch(lens, torch.Generator().manual_seed(batch))
-    layers = [seam._Layer(n) for n in names]
+    inputs = seam.decode_batch(lens, torch.Generator().manual_seed(batch))
     with set_current_vllm_config(cfg):
-        builders = {"MAGICPIG": MagicPigMetadataBuilder(spec, names, cfg, torch.device("cpu")),
-                    "CPU_ATTN": CPUAttentionMetadataBuilder(spec, names, cfg, torch.device("cpu"))}
-        builders["CPU_ATTN"].isa = builders["MAGICPIG"].isa  # one cache, MAGICPIG's layout (exact_service.py)
-        for layer in layers:
-            layer.isa = builders["MAGICPIG"].isa
-        args = (H, D, D**-0.5, HKV, None, None, "auto")
-        impls = {"MAGICPIG": [MagicPigImpl(*args) for _ in names],
-                 "CPU_ATTN": [CPUAttentionBackendImpl(*args)] * LAYERS}
-
-        def step(name: str) -> None:
-            meta = builders[name].build(0, cam)
-            for layer, impl in zip(layers, impls[name]):
-                impl.forward(layer, q, kv_new, kv_new, cache, meta, out)
-
-        times: dict[str, list[float]] = {"MAGICPIG": [], "CPU_ATTN": []}
-        for i in range(steps + 3):  # the first 3 warm up (and build the sampled request's index)
-            for name in (("MAGICPIG", "CPU_ATTN") if i % 2 else ("CPU_ATTN", "MAGICPIG")):
-                t0 = time.perf_counter()
-                step(name)
-                if i >= 3:
-                    times[name].append(time.perf_counter() - t0)
+        builders, step = seam.seam_backends(cfg, *inputs)
+        times = seam.time_in_turn(step, steps)  # the warm-up turns build the sampled request's index
         st = builders["MAGICPIG"].runtime.stats.snapshot()
-    sparse_layers = LAYERS - len(builders["MAGICPIG"].runtime.dense_layers)
-    calls = (steps + 3) * sparse_layers
+    sparse_layers = seam.LAYERS - len(builders["MAGICPIG"].runtime.dense_layers)
+    calls = (steps + seam.WARM_TURNS) * sparse_layers
     want = {"short_context": calls * (batch - 1)} if batch > 1 else {}
     got = {k: v for k, v in st["decode_exact"].items() if k != "dense_layer"}
     assert st["decode_sparse"] == calls and got == want, st  # one sampled request per sparse layer, the rest exact
     row = {"batch": batch, "sampled_context": sampled_ctx, "exact_context": exact_ctx, "steps": steps}
     for name, ts in times.items():
-        row[f"{name}_step_ms"] = round(1e3 * statistics.median(ts), 2)
+        row[f"{name}_step_ms"] = round(1e3 * statistics.median(t for t, _ in ts), 2)
     return row
 
 
