@@ -389,3 +389,96 @@ def test_the_cost_model_is_fed_from_pure_decode_steps(vllm_env):
     assert cost.exact.steps == 1
     snap = h.stats()["cost_model"]
     assert snap["exact_steps"] == 1 and snap["sparse_steps"] == 1
+
+
+# --------------------------------------------------------------------------- steps that sample some decodes
+
+
+def _spy_sparse_rows(h: Harness) -> list[int]:
+    """The rows of each call into MAGICPIG's kernel (appended as the calls happen)."""
+    rows, ops = [], h.runtime.ops
+    attend = ops.attend_queries
+
+    def spy(query, *args, **kwargs):
+        rows.append(query.shape[0])
+        return attend(query, *args, **kwargs)
+
+    ops.attend_queries = spy
+    return rows
+
+
+@pytest.mark.parametrize("spec, sampled, prefills", [
+    (BatchSpec([700, 3000, 900, 2600, 500], [1, 1, 1, 1, 1]), [1, 3], 0),  # exact rows 0, 2, 4: gathered
+    (BatchSpec([3000, 2600, 700, 1400], [1, 1, 1, 200]), [0, 1], 1),  # exact row 2: a view; a prefill beside
+])
+def test_a_step_that_samples_some_decodes_hands_the_others_to_the_platform_kernel(vllm_env, isa, spec, sampled,
+                                                                                  prefills):
+    """MAGICPIG's kernel attends the sampled requests only; vLLM's kernel attends the exact ones over
+    their own metadata (the same output as CPU_ATTN's for the whole batch) and the prefill part. Each
+    decode is counted once, by its reason, and both parts' times teach the cost model."""
+    h = harness(vllm_env, spec, isa=isa, K=1, L=64)
+    calls = _spy_sparse_rows(h)
+    out, ref, meta = h.step()
+    decodes = len(spec.seq_lens) - prefills
+    exact = [r for r in range(decodes) if r not in sampled]
+    assert meta.sparse_plan.sparse == sampled and meta.split is not None
+    assert calls == [len(sampled)]  # no exact request in MAGICPIG's call
+    assert (meta.split.exact_rows.span is None) == (exact != list(range(exact[0], exact[-1] + 1)))
+    # The same kernel over the same keys; vLLM may tile a batch differently from a sub-batch (on
+    # AVX2 a few outputs move by one bf16 rounding step), while a sampled estimate is off by more.
+    torch.testing.assert_close(out[exact], ref[exact], rtol=2**-7, atol=1e-5)
+    torch.testing.assert_close(out[decodes:], ref[decodes:], rtol=2**-7, atol=1e-5)
+    for r in sampled:
+        assert rel_err(out[r], ref[r]) < 2e-2, r
+    st = h.stats()
+    assert st["decode_sparse"] == len(sampled) and st["decode_exact"] == {"short_context": len(exact)}, st
+    from vllm_magicpig.cost_model import KEY_SCALE
+
+    cost = h.runtime.cost
+    assert cost.exact.steps == 1 and cost.sparse.steps == 1  # the exact part's time and the sampled part's
+    # the exact part's observation is of its own requests and keys: least squares' sums of requests^2 and
+    # requests x keys (in KEY_SCALE units)
+    assert cost.exact._s00 / cost.exact._w == pytest.approx(len(exact) ** 2)
+    keys = sum(spec.seq_lens[r] for r in exact)
+    assert cost.exact._s01 / cost.exact._w == pytest.approx(len(exact) * keys * KEY_SCALE)
+
+
+def test_without_the_split_every_decode_goes_through_magicpigs_call(vllm_env):
+    """A platform whose decode method attends exact parts itself (CUDA's split decode) turns the split
+    off: MAGICPIG's call then serves every decode request, the exact ones over their whole context, with
+    the same counts."""
+    h = harness(vllm_env, BatchSpec([700, 3000, 900], [1, 1, 1]), K=1, L=64)
+    h.mp_builder.splits_exact_decodes = False
+    calls = _spy_sparse_rows(h)
+    out, ref, meta = h.step()
+    assert meta.split is None and calls == [3]
+    for r in range(3):
+        assert rel_err(out[r], ref[r]) < 2e-2, r
+    st = h.stats()
+    assert st["decode_sparse"] == 1 and st["decode_exact"] == {"short_context": 2}, st
+
+
+def test_decode_rows_metadata_keeps_the_chosen_requests_fields():
+    """The sub-batch of decode requests 0 and 2: every per-request and per-token field picked in order,
+    one query token each, vLLM's caches unset."""
+    import numpy as np
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_magicpig.backend_common import decode_rows_metadata
+
+    seq = torch.tensor([300, 500, 700, 900], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3, 40], dtype=torch.int32)
+    table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=4, num_actual_tokens=40,
+        max_query_len=37, max_seq_len=900, block_table_tensor=table, slot_mapping=torch.arange(40) * 10,
+        seq_lens_cpu_upper_bound=seq, is_prefilling=torch.tensor([False, False, False, True]),
+        positions=torch.arange(40) + 100, req_idx=np.array([7, 5, 3, 1]))
+    sub = decode_rows_metadata(cam, torch.tensor([0, 2]), 700)
+    assert sub.num_reqs == 2 and sub.num_actual_tokens == 2 and sub.max_query_len == 1 and sub.max_seq_len == 700
+    assert sub.query_start_loc.tolist() == [0, 1, 2] and sub.query_start_loc_cpu.tolist() == [0, 1, 2]
+    assert sub.seq_lens.tolist() == [300, 700] and sub.seq_lens_cpu_upper_bound.tolist() == [300, 700]
+    assert torch.equal(sub.block_table_tensor, table[[0, 2]])
+    assert sub.slot_mapping.tolist() == [0, 20] and sub.positions.tolist() == [100, 102]
+    assert sub.is_prefilling.tolist() == [False, False] and sub.req_idx.tolist() == [7, 3]
+    assert sub._num_computed_tokens_cache is None

@@ -5,6 +5,7 @@ platform's own classes, plus what only that platform knows (its KV layout and ru
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,7 +20,7 @@ import vllm_magicpig
 from vllm_magicpig.config import MagicPigConfigError
 from vllm_magicpig.decode_methods import LayerContext
 from vllm_magicpig.exact_tally import ExactTally
-from vllm_magicpig.layer import SparseLayer
+from vllm_magicpig.layer import SparseLayer, sub_plan
 from vllm_magicpig.limits import SUPPORTED_HEAD_SIZES
 from vllm_magicpig.planner import DecodePlan, StepPlanner
 from vllm_magicpig.runtime import MagicPigRuntime
@@ -90,6 +91,48 @@ class MagicPigDeclarations:
         return False
 
 
+class BatchRows:
+    """Some of a step's decode tokens, by their rows in the batch: as views when the rows are
+    contiguous (no copies; in a batch of two they always are), else gathered and scattered."""
+
+    __slots__ = ("index", "span")
+
+    def __init__(self, rows: list[int], device) -> None:
+        self.index = torch.tensor(rows, dtype=torch.long, device=device)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.span = slice(rows[0], rows[0] + len(rows)) if contiguous else None
+
+    def __len__(self) -> int:
+        return self.index.numel()
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.span] if self.span is not None else t.index_select(0, self.index)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Where these rows' output is written: ``out``'s rows, or a buffer for :meth:`put`."""
+        return out[self.span] if self.span is not None else out.new_empty((len(self), *out.shape[1:]))
+
+    def put(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        """``part`` (from :meth:`output`) into ``out``'s rows."""
+        if self.span is None:
+            out.index_copy_(0, self.index, part)
+
+
+@dataclass
+class DecodeSplit:
+    """A step that samples some decode requests and serves the others exactly: each part goes to
+    the kernel that serves it fastest. The platform's kernel attends a whole context faster than
+    MAGICPIG's kernel attends it as an exact range: with the exact requests in MAGICPIG's call, a
+    step that sampled one request and attended 20 exactly ran at 0.96x CPU_ATTN
+    (``benchmarks/mixed_step.py``), and under load most steps are such steps."""
+
+    exact_rows: BatchRows  # the exact requests' decode tokens
+    exact: Any  # the platform's metadata for those requests alone
+    tally: ExactTally  # their reasons and the platform kernel's time, one add per sparse layer
+    sampled_rows: BatchRows  # the sampled requests' decode tokens
+    sampled_plan: DecodePlan  # the step's plan restricted to them, renumbered 0..m-1
+
+
 @dataclass
 class MagicPigMetadata:
     """Per-step metadata, shared by every layer (per-layer state lives on the impl)."""
@@ -105,6 +148,8 @@ class MagicPigMetadata:
     sparse_plan: DecodePlan | None = None
     # the layers whose decodes the platform kernel attends (exact_tally.py); None without decodes
     exact_tally: ExactTally | None = None
+    # a step that samples some decodes and not others: how the sparse layers split them (or None)
+    split: DecodeSplit | None = None
 
     @property
     def platform_serves_decodes(self) -> bool:
@@ -128,6 +173,10 @@ class MagicPigBuilderMixin:
 
     # Decodes first, so the decode/prefill split is a prefix of the batch.
     reorder_batch_threshold: int = 1
+    # In a step that samples some decodes, hand the others to the platform kernel (DecodeSplit).
+    # A platform whose decode method attends every request's exact part in its own kernel already
+    # (CUDA's split decode) turns this off.
+    splits_exact_decodes: bool = True
 
     def _init_magicpig(self, vllm_config, make_runtime=None) -> None:
         from vllm_magicpig import runtime as runtimes
@@ -158,11 +207,13 @@ class MagicPigBuilderMixin:
         plan = self.planner.plan(host, num_decodes, rt.step_settings()) if num_decodes else None
         if rt.cfg.log_stats_interval and stats.steps % rt.cfg.log_stats_interval == 0:
             logger.info(stats.summary_line())
-        tally = None
+        tally = split = None
         if plan is not None:
             reasons = [] if plan.sparse else list(plan.exact_reason.values())
             tally = ExactTally(num_decodes, reasons, plan.context_keys, plan.timed and not num_prefills)
-            rt.start_exact_tally(tally)
+            if plan.sparse and plan.exact_reason and self.splits_exact_decodes:
+                split = self._decode_split(cam, plan, fast_build)
+            rt.start_exact_tallies(tally, *([split.tally] if split is not None else []))
         # The prefill part's own metadata, only where sparse layers serve the decodes themselves:
         # one more build of the platform's, every such step of a batch that mixes a prefill chunk
         # with decodes (the common step under load).
@@ -181,7 +232,68 @@ class MagicPigBuilderMixin:
             runtime=rt,
             sparse_plan=plan,
             exact_tally=tally,
+            split=split,
         )
+
+    def _decode_split(self, cam, plan: DecodePlan, fast_build: bool) -> DecodeSplit:
+        """The platform's metadata for the step's exact decode requests alone, and the plan of its
+        sampled ones: one more build of the platform's metadata, once a step, for every layer."""
+        exact = sorted(plan.exact_reason)
+        device = cam.query_start_loc.device
+        lens = [plan.seq_lens[r] for r in exact]
+        # timed even beside a prefill chunk: the sparse layers attend that apart, before the decodes
+        tally = ExactTally(len(exact), [plan.exact_reason[r] for r in exact], sum(lens), plan.timed)
+        return DecodeSplit(
+            exact_rows=BatchRows(exact, device),
+            exact=super().build(0, decode_rows_metadata(cam, torch.tensor(exact), max(lens)), fast_build),
+            tally=tally,
+            sampled_rows=BatchRows(plan.sparse, device),
+            sampled_plan=sub_plan(plan, plan.sparse),
+        )
+
+
+def decode_rows_metadata(cam, rows: torch.Tensor, max_seq_len: int):
+    """vLLM's ``CommonAttentionMetadata`` for decode requests ``rows`` of a batch alone (host int64
+    indices, ascending; a decode request's one token is its row, decodes coming first). vLLM's
+    ``split_attn_metadata`` takes contiguous runs; the exact requests of a step are any subset.
+    Fields MAGICPIG's declarations rule out (encoder, context-parallel, multimodal, R-SWA, ...) and
+    vLLM's caches are left unset."""
+    n = rows.numel()
+    device = cam.query_start_loc.device
+    on_device = rows.to(device)
+
+    def pick(t):
+        return None if t is None else t.index_select(0, rows.to(t.device))
+
+    qsl_cpu = torch.arange(n + 1, dtype=cam.query_start_loc_cpu.dtype)
+    return dataclasses.replace(
+        cam,
+        query_start_loc=qsl_cpu.to(device),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=cam.seq_lens.index_select(0, on_device),
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        block_table_tensor=cam.block_table_tensor.index_select(0, on_device),
+        slot_mapping=cam.slot_mapping.index_select(0, on_device),
+        logits_indices_padded=None,
+        num_logits_indices=None,
+        max_logits_per_req=None,
+        encoder_seq_lens=None,
+        encoder_seq_lens_cpu=None,
+        dcp_local_seq_lens=None,
+        dcp_local_seq_lens_cpu_upper_bound=None,
+        positions=pick(cam.positions),
+        is_prefilling=pick(cam.is_prefilling),
+        seq_lens_cpu_upper_bound=pick(cam.seq_lens_cpu_upper_bound),
+        req_idx=None if cam.req_idx is None else cam.req_idx[rows.numpy()],
+        mm_req_doc_ranges=None,
+        rswa_prefix_lens=None,
+        replayssm_decode_base_cpu=None,
+        _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None,
+    )
 
 
 def decodes_and_prefills(cam) -> tuple[int, int, int]:
@@ -278,14 +390,32 @@ class MagicPigImplMixin:
         some (their tokens first in ``query`` and ``output``; rows past them, if any, are not
         decode tokens)."""
         plan = meta.sparse_plan
-        kv = self.sparse_layer.begin(kv_cache, plan)
+        kv = self.sparse_layer.begin(kv_cache, plan)  # its observers see every decode request
         rt = meta.runtime
         nd = meta.num_decode_tokens
         if query.shape[0] != nd:
             query, output = query[:nd], output[:nd]
+        split = meta.split
+        if split is not None:
+            self._forward_exact_decodes(layer, query, key, value, kv_cache, split, output)
+            whole_output, plan = output, split.sampled_plan
+            query, output = split.sampled_rows.take(query), split.sampled_rows.output(output)
         t0, built0 = time.perf_counter(), rt.stats.build_seconds
         self.sparse_layer.forward(query, kv, plan, output)
         if rt.cost is not None and not plan.exact_reason and plan.timed:  # all sampled: its cost, less builds
             seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
             rt.sparse_tally.timed(len(plan.sparse), plan.context_keys, seconds)
+        if split is not None:
+            split.sampled_rows.put(whole_output, output)
+
+    def _forward_exact_decodes(self, layer, query, key, value, kv_cache, split: DecodeSplit, output) -> None:
+        """The platform kernel attends the step's exact decode requests over their own metadata.
+        ``key`` and ``value`` pass through unused: a decoder layer's attention reads K/V from the
+        cache, which vLLM's KV update wrote before it."""
+        rows = split.exact_rows
+        out = rows.output(output)
+        t0 = time.perf_counter()
+        super().forward(layer, rows.take(query), key, value, kv_cache, split.exact, out)
+        split.tally.add(False, time.perf_counter() - t0)
+        rows.put(output, out)
 

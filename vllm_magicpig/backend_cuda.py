@@ -125,6 +125,9 @@ class MagicPigCudaMetadataBuilder(MagicPigBuilderMixin, FlashAttentionMetadataBu
     # refuses FULL graphs.
     _cudagraph_support = AttentionCGSupport.NEVER
     supports_update_block_table: bool = False
+    # The split decode already attends every request's exact part next to the cache, in one
+    # FLASH_ATTN call for the batch: a request it does not sample only adds rows to that call.
+    splits_exact_decodes = False
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

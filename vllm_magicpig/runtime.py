@@ -86,7 +86,7 @@ class MagicPigRuntime:
         self._projections: dict[tuple[int, int, int], torch.Tensor] = {}
         # the latest step's layers served by the platform kernel, and the sparse layers' records,
         # folded when read or at the next step's plan (exact_tally.py, sparse_tally.py)
-        self._exact_tally: ExactTally | None = None
+        self._exact_tallies: tuple[ExactTally, ...] = ()
         self.sparse_tally = SparseTally()
         self.stats.add_flush(self.fold_tallies)
         extensions.load()
@@ -105,15 +105,16 @@ class MagicPigRuntime:
         """The implementation of decode method ``name`` on this runtime's platform."""
         return self.methods.get(name) or decode_methods.get_method(name)
 
-    def start_exact_tally(self, tally: ExactTally) -> None:
-        """The new step's tally (the builder folded the previous one before planning)."""
-        self._exact_tally = tally
+    def start_exact_tallies(self, *tallies: ExactTally) -> None:
+        """The new step's tallies (the builder folded the previous ones before planning): the whole
+        batch's, and in a step that samples some decodes, its exact decodes' apart."""
+        self._exact_tallies = tallies
 
     def fold_tallies(self) -> None:
         """Count what the platform kernel and the sparse layers served so far (every stats read and
         step plan calls this)."""
-        if self._exact_tally is not None:
-            self._exact_tally.fold(self.stats, self.cost)
+        for tally in self._exact_tallies:
+            tally.fold(self.stats, self.cost)
         self.sparse_tally.fold(self.stats, self.cost)
 
     def step_settings(self) -> StepSettings:
