@@ -3,10 +3,11 @@
     python benchmarks/mixed_step.py [--batches 2,8,21] [--sampled-context 4608] [--exact-context 4096]
 
 Under load most steps mix requests that MAGICPIG samples with requests it serves exactly (their
-index deferred, evicted at the cap, or sampling slower for them). Such a step attends every decode
-request of a sparse layer in MAGICPIG's one native call, the exact ones over their whole context
-(``magicpig_decode.py``), where a step that samples none leaves them all to vLLM's kernel. This
-times that step at the vLLM seam, as ``exact_service.py`` does (both backends' metadata builders
+index deferred, evicted at the cap, or sampling slower for them). Such a step's sparse layers hand
+the exact requests to vLLM's kernel over metadata of their own and the sampled ones to MAGICPIG's
+one native call (``backend_common.DecodeSplit``; before it, MAGICPIG's call attended the exact ones
+over their whole context too: results/mixed_step_avx512_1206.md). This times that step at the vLLM
+seam, as ``exact_service.py`` does (both backends' metadata builders
 and impls, SmolLM2's shape, one engine step of 30 layers, alternating in one process on one
 thread): one request of ``--sampled-context`` keys is sampled (cost model off), the batch's other
 requests, of ``--exact-context`` keys, are served exactly as ``short_context``; the counters check

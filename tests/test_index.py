@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
-from vllm_magicpig.index import ACTIVE_STEPS, IndexStore, SegmentKey, SegmentRef
+from vllm_magicpig.index import ACTIVE_STEPS, IndexStore, SegmentKey, SegmentRef, segment_owner
 from vllm_magicpig.stats import Stats
 
 LAYER, OTHER = "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"
@@ -292,3 +293,61 @@ def test_segments_of_requests_still_decoding_are_not_evicted_for_another_request
         s.begin_step()
         assert (s.install(LAYER, refs[1], build(refs[1]), cap_bytes=6000) is not None) == evicts
         assert (s.peek_segment(LAYER, refs[0].key) is None) == evicts
+
+
+# --------------------------------------------------------------------------- planning under the cap
+
+
+def test_idle_room_is_the_cap_less_the_segments_in_use_and_evicts_nothing(store):
+    specs = [store.new_centre((b, b + 1), 4, 256) for b in (10, 20, 30)]
+    owner = segment_owner(LAYER, 10, 150)
+    assert store.prompt_bytes_per_token(10, 150) is None  # nothing built yet
+    store.get_or_build(owner, ref(specs[0].cid, 0, 256, (10, 11), first=4), build, merge)
+    store.begin_step()
+    store.get_or_build(owner, ref(specs[1].cid, 0, 256, (20, 21), first=4), build, merge)
+    store.get_or_build(segment_owner(OTHER, 10, 150), ref(specs[2].cid, 0, 256, (30, 31), first=4), build, merge)
+    # in use this step (active_steps=1): the second and third (4000 bytes each); the first is idle
+    assert store.idle_room(20000) == 12000 and len(store) == 3
+    # two layers' segments of 252 tokens, 4000 bytes each; another (K, L) has none
+    assert store.prompt_bytes_per_token(10, 150) == pytest.approx(2 * 4000 / 252)
+    assert store.prompt_bytes_per_token(8, 150) is None
+
+
+def test_a_new_prompt_whose_index_would_not_fit_is_planned_exact_until_there_is_room():
+    """Beside a request whose segments fill the cap, a new prompt is served exactly as ``evicted``
+    without a build (the layers would build and refuse it, or MAGICPIG's kernel attend it exactly);
+    once that request has stopped for ``active_steps`` steps, it is planned sparse. Two new prompts
+    in one step are admitted while the room lasts."""
+    from vllm_magicpig.config import MagicPigConfig
+    from vllm_magicpig.planner import StepPlanner, StepSettings
+
+    from helpers import FakeCam
+
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    settings = StepSettings.from_config(cfg)
+    owner = segment_owner(LAYER, cfg.K, cfg.L)
+    index = IndexStore(Stats(), cfg.segment_tokens, active_steps=2)
+    planner = StepPlanner(cfg, 16, index, cap_bytes=6000)  # one request's 4000-byte segment fits, not two
+    tables = {name: torch.arange(i * 64, (i + 1) * 64, dtype=torch.int32) for i, name in enumerate("ABC")}
+
+    def step(names):
+        planner.observe_step(FakeCam(torch.tensor([1000] * len(names), dtype=torch.int32), None), len(names))
+        cam = FakeCam(torch.tensor([1000] * len(names), dtype=torch.int32), torch.stack([tables[n] for n in names]))
+        plan = planner.plan(cam, len(names), settings)
+        for r in plan.sparse:  # the sparse layer: find or build the planned segments
+            for seg_ref in plan.segments[r]:
+                assert index.get_or_build(owner, seg_ref, build, merge, cap_bytes=6000) is not None
+        return {names[r]: plan.exact_reason.get(r, "sampled") for r in range(len(names))}
+
+    assert step("A") == {"A": "sampled"}
+    built = index.stats.index["segments_built"]
+    for _ in range(3):
+        assert step("AB") == {"A": "sampled", "B": "evicted"}
+    assert index.stats.index["segments_built"] == built and index.stats.index["segments_refused"] == 0
+    assert step("B") == {"B": "evicted"}  # A's segment is still in its window
+    assert step("B") == {"B": "sampled"}  # now idle: B's build evicts it
+    assert index.stats.index["segments_evicted"] == 1
+    assert step("BC") == {"B": "sampled", "C": "evicted"}
+    for _ in range(2):  # B has finished too: nothing in use
+        index.begin_step()
+    assert step("CA") == {"C": "sampled", "A": "evicted"}  # room for one of two new prompts: the first

@@ -184,8 +184,8 @@ class MagicPigBuilderMixin:
         if vllm_config.speculative_config is not None:
             raise MagicPigConfigError("MAGICPIG does not support speculative decoding; drop --speculative-config")
         self.runtime = runtimes.attach(vllm_config, make_runtime)
-        self.planner = StepPlanner(self.runtime.cfg, self.block_size, self.runtime.index, self.runtime.mirror,
-                                   self.runtime.cost, self.runtime.indexer)
+        rt = self.runtime
+        self.planner = StepPlanner(rt.cfg, self.block_size, rt.index, rt.mirror, rt.cost, rt.indexer, rt.cap_bytes)
 
     def host_view(self, cam, num_reqs: int):
         """The CPU tensors the planner reads (the platform's metadata may live on a device)."""

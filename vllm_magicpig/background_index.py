@@ -105,6 +105,10 @@ class BackgroundIndexer:
         """Whether prompt ``cid``'s index is being built here, or was installed (or failed) here."""
         return cid in self._pending or cid in self._installed
 
+    def pending_for(self, cid: int) -> bool:
+        """Whether prompt ``cid``'s index is being built here now."""
+        return cid in self._pending
+
     def ready(self, spec: CentreSpec, refs: list[SegmentRef], settings: Any) -> bool:
         """True when the request can be sampled now; else its index is (now) being built."""
         cid = spec.cid

@@ -263,6 +263,26 @@ class IndexStore:
             return True
         return self.enforce_cap(cap_bytes - int(per_token * tokens))
 
+    def prompt_bytes_per_token(self, K: int, L: int) -> float | None:
+        """Bytes a token takes in the segments of every layer hashed with (K, L) (owners made by
+        ``segment_owner``), from each layer's last segment; None until one was built."""
+        per_layer = [v for owner, v in self._bytes_per_token.items()
+                     if isinstance(owner, tuple) and owner[1:] == (K, L)]
+        return sum(per_layer) if per_layer else None
+
+    def idle_room(self, cap_bytes: int) -> int:
+        """Bytes a new prompt's index could take under the cap without evicting a segment in use:
+        the cap less what the segments used within ``active_steps`` steps hold. Nothing is evicted
+        here. The store is in least-recently-used order, so those are its last entries."""
+        in_use = 0
+        oldest_in_use = self.step - self.active_steps
+        for k in reversed(self._segments):
+            if self._last_used.get(k, oldest_in_use) <= oldest_in_use:
+                break
+            seg = self._segments[k]
+            in_use += seg.index_bytes + seg.mirror_bytes
+        return cap_bytes - in_use
+
     def _refuse(self) -> None:
         self.stats.index["segments_refused"] += 1  # no room under the cap: not kept
         return None

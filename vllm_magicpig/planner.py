@@ -20,6 +20,7 @@ from vllm_magicpig.decode_methods import EXACT
 from vllm_magicpig.index import CentreSpec, IndexStore, SegmentKey, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
 from vllm_magicpig.stats import (
+    EXACT_EVICTED,
     EXACT_INDEX_DEFERRED,
     EXACT_INDEXING,
     EXACT_METHOD,
@@ -169,19 +170,23 @@ class StepPlanner:
     """Layer-independent decisions, made once per engine step in the metadata builder."""
 
     def __init__(self, cfg: MagicPigConfig, block_size: int, index: IndexStore, mirror: Any = None,
-                 cost: Any = None, indexer: Any = None) -> None:
+                 cost: Any = None, indexer: Any = None, cap_bytes: int | None = None) -> None:
         """``mirror``: the host mirror of a device KV cache (``host_mirror.HostMirror``), on platforms
         whose cache is not in host memory; only mirrored blocks are covered by segments.
         ``cost``: the worker's ``cost_model.DecodeCostModel``; requests it predicts would sample
         slower than exact attention are served exactly, as are those over a prompt whose index
         has not paid for its build yet. ``indexer``: the runtime's
-        ``background_index.BackgroundIndexer``; a new prompt is served exactly while it indexes it."""
+        ``background_index.BackgroundIndexer``; a new prompt is served exactly while it indexes it.
+        ``cap_bytes``: the index's memory cap; a new prompt whose index would not fit beside the
+        segments in use is served exactly (``evicted``), and not indexed (``_index_fits``)."""
         self.cfg = cfg
         self.indexer = indexer
         self.block_size = block_size
         self.index = index
         self.mirror = mirror
         self.cost = cost
+        self.cap_bytes = cap_bytes
+        self._room: float | None = None  # this step's idle_room, less what new prompts admitted in it need
         self.unit = cfg.segment_tokens
         self.largest = largest_segment(cfg)
         # last block written by a prefill chunk -> sequence length after it; a decode
@@ -228,6 +233,7 @@ class StepPlanner:
         background = self.indexer is not None and self.indexer.applies(settings)
         if self.cost is not None:
             self.cost.begin_step()
+        self._room = None
         for r, s in enumerate(seq_lens):
             if settings.method == EXACT:
                 plan.exact_reason[r] = EXACT_METHOD
@@ -260,6 +266,9 @@ class StepPlanner:
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 key = self.index.canonical_key(SegmentKey(spec.cid, start, size, blocks))
                 refs.append(SegmentRef(key, max(start, cfg.sink_tokens)))
+            if not self._index_fits(spec.cid, covered_end - cfg.sink_tokens, settings):
+                plan.exact_reason[r] = EXACT_EVICTED
+                continue
             if background and not self.indexer.ready(spec, refs, settings):
                 plan.exact_reason[r] = EXACT_INDEXING
                 continue
@@ -272,6 +281,30 @@ class StepPlanner:
         plan.dense_ranges = torch.tensor(dense, dtype=torch.int32).view(num_decodes, 2, 2)
         plan.timed = self.indexer is None or not self.indexer.building()
         return plan
+
+    def _index_fits(self, cid: int, tokens: int, settings: StepSettings) -> bool:
+        """Whether a new prompt's index (``tokens`` in every sparse layer) fits under the cap beside
+        the segments in use, at the bytes a token of each layer's last segment took. Under a load of
+        long answers the segments in use filled the cap: a new prompt's background job built its
+        whole index only to have the install refuse it, and every layer then refused its segments
+        again step after step while MAGICPIG's kernel attended it exactly. Now it is served by the
+        platform kernel without a build, and indexed once there is room. A prompt holding segments
+        already, or being indexed, is not checked again (its growth is checked where it is built);
+        nor is budget mode, whose (K, L) the layers choose per request."""
+        if self.cap_bytes is None or settings.target_cost is not None or self.index.holds_centre_segments(cid):
+            return True
+        if self.indexer is not None and self.indexer.pending_for(cid):
+            return True
+        per_token = self.index.prompt_bytes_per_token(settings.K, settings.L)
+        if per_token is None:
+            return True  # nothing built yet to size it by: build and see
+        if self._room is None:
+            self._room = self.index.idle_room(self.cap_bytes)
+        need = per_token * tokens
+        if need > self._room:
+            return False
+        self._room -= need  # the next new prompt of this step fits beside this one, or not
+        return True
 
     def _indexed(self, cid: int) -> bool:
         """Whether prompt ``cid`` has an index, or one is being built (so no build decision is due)."""
