@@ -298,6 +298,9 @@ def test_index_over_its_cap_serves_exactly_and_says_why(vllm_env):
     assert st["index"].get("segments_live", 0) == 0  # nothing over the cap is kept
     for r in range(2):
         assert rel_err(out[r], ref[r]) < 1e-2
+    # The sampled part attended its request exactly after all: its time is no sampling's cost. The
+    # exact part's (vLLM's kernel over the short request) is exact attention's.
+    assert h.runtime.cost.sparse.steps == 0 and h.runtime.cost.exact.steps == 1
 
 
 def test_kv_write_into_an_indexed_block_drops_what_was_built_from_it(vllm_env, isa):

@@ -227,3 +227,26 @@ def test_engine_serves_exactly_while_indexing_then_samples(model_path):
     assert st["decode_sparse"] + st["decode_exact"]["indexing"] == decodes, st
     assert prompt.pass_key in out.text
     del llm
+
+
+def test_a_job_whose_index_no_longer_fits_is_not_installed_in_part(vllm_env):  # noqa: F811
+    """The room the planner saw at submission was taken before the install: none of the job's
+    segments is installed (a prompt indexed in some layers only would be attended exactly in MAGICPIG's
+    call in the others), the prompt is served exactly as ``evicted`` while it does not fit, and it is
+    indexed again once it does."""
+    h = _prefilled(vllm_env, [3000], index_memory_mb=64)
+    h.step()  # submits; the (inline) job is done but not installed
+    index = h.runtime.index
+    real_room = index.idle_room
+    index.idle_room = lambda cap: 0  # another request's segments took the room meanwhile
+    out, ref, meta = h.step()
+    st = h.stats()
+    assert st["index"]["background_refused"] == 1 and st["index"].get("background_installed", 0) == 0, st
+    assert st["index"].get("segments_live", 0) == 0 and meta.sparse_plan.exact_reason == {0: "evicted"}
+    assert torch.equal(out, ref)  # the platform kernel served it
+    index.idle_room = real_room
+    _, _, meta = h.step()  # room again: indexed afresh
+    assert meta.sparse_plan.exact_reason == {0: "indexing"} and h.stats()["index"]["background_jobs"] == 2
+    out, ref, meta = h.step()
+    assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
+    assert rel_err(out[0], ref[0]) < 2e-2

@@ -401,8 +401,11 @@ class MagicPigImplMixin:
             whole_output, plan = output, split.sampled_plan
             query, output = split.sampled_rows.take(query), split.sampled_rows.output(output)
         t0, built0 = time.perf_counter(), rt.stats.build_seconds
-        self.sparse_layer.forward(query, kv, plan, output)
-        if rt.cost is not None and not plan.exact_reason and plan.timed:  # all sampled: its cost, less builds
+        all_served = self.sparse_layer.forward(query, kv, plan, output)
+        # Sampling's cost, less builds; not where the layer attended a request exactly after all (its
+        # segments refused under the cap): a whole context in MAGICPIG's call is no sampled request's
+        # cost, and under a long-answer load such layers made sampling look slower than exact.
+        if rt.cost is not None and not plan.exact_reason and plan.timed and all_served:
             seconds = time.perf_counter() - t0 - (rt.stats.build_seconds - built0)
             rt.sparse_tally.timed(len(plan.sparse), plan.context_keys, seconds)
         if split is not None:

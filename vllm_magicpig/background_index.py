@@ -157,12 +157,27 @@ class BackgroundIndexer:
             if not self.index.has_centre(cid):  # its blocks were rewritten meanwhile: the build is stale
                 self.stats.index["background_dropped"] += 1
                 continue
+            if not self._fits(job):
+                # The room the planner saw at submission was taken meanwhile. All or nothing: a prompt
+                # indexed in some layers only is planned sparse and attended exactly, whole context,
+                # in MAGICPIG's call in the others. Not marked installed: the planner serves it
+                # exactly (``evicted``) until its index fits, then submits it again.
+                self.stats.index["background_refused"] += 1
+                continue
             for name, owner, centre, segs in job.built:
                 self.index.set_centre(name, job.spec, centre)
                 for ref, seg in segs:
                     self.index.install(owner, ref, seg, self.cap_bytes)
             self._mark_installed(cid)
             self.stats.index["background_installed"] += 1
+
+    def _fits(self, job: IndexJob) -> bool:
+        """Whether every segment of the job fits under the cap beside the segments in use."""
+        if self.cap_bytes is None:
+            return True
+        # the sizes teach the planner this prompt's need (and the next's) even when it is refused
+        need = sum(self.index.note_size(owner, ref, seg) for _, owner, _, segs in job.built for ref, seg in segs)
+        return need <= self.index.idle_room(self.cap_bytes)
 
     def _mark_installed(self, cid: int) -> None:
         self._installed[cid] = None

@@ -3,22 +3,25 @@
 Sampling costs a roughly fixed amount per (request, layer) (L bucket lookups per query head and
 segment, the exact sinks and tail) plus a little per key; exact attention costs a little more
 per key. Which is cheaper depends on the context length, the machine, the threads and the kernel,
-so it is measured, not assumed: every pure-decode step times
+so it is measured, not assumed: every decode step times
 
-* the dense layers (and sparse layers whose batch was served by the platform kernel): exact
-  attention over the batch's keys;
-* the sparse layers whose batch was all sampled: sampling, less any index building in the call
-  (a one-off per segment, not a per-step cost).
+* the dense layers (and sparse layers whose batch was served by the platform kernel) in steps
+  without a prefill chunk: exact attention over the batch's keys;
+* in a step that samples some requests, the sparse layers' two parts apart
+  (``backend_common.DecodeSplit``): the platform kernel's over the exact requests' keys, and
+  sampling over the sampled requests', less any index building in the call (a one-off per
+  segment, not a per-step cost).
 
 Each is fitted as ``seconds = a * requests + b * keys`` (least squares, both non-negative, with
 exponential forgetting per step, so a worker that warms up or changes load follows). Once both
 have enough observations, a decode request is served exactly when sampling its context is
 predicted to be slower than attending it exactly (stats: ``sampling_slower``). One decode step
 in ``explore_every`` samples them all the same, so the sampling side keeps being measured near
-the crossover. Exploring a whole step, not one request in ``explore_every``: a batch with
-sampled and exact requests serves the exact ones in the sampling kernel (slower than the
-platform's) and is not timed, so exploring single requests of a batch cost every such step and
-taught the model nothing.
+the crossover. It explores a whole step, not one request in ``explore_every``: that was chosen
+when a batch's exact requests went through the sampling kernel (slower than the platform's) and
+such a step was not timed, so exploring single requests cost every such step and taught nothing.
+Mixed steps are split and timed now; a whole exploring step still times sampling at the batch's
+own contexts.
 
 Whether a prompt's index pays: building it (every key hashed into L tables, in every sparse layer)
 costs seconds of the worker's core, and a short answer can end before sampling has saved that

@@ -26,7 +26,8 @@ class ExactTally:
 
     def __init__(self, num_decodes: int, reasons: list[str], context_keys: int, timed: bool) -> None:
         """``reasons``: in a sparse layer, each decode request's exact reason (the plan's; empty
-        when the step samples some, since then the sparse layers account for themselves);
+        when the step samples some: then the step's exact requests have a tally of their own,
+        ``backend_common.DecodeSplit``, and the sparse layers count the sampled ones);
         ``context_keys``: the keys of all decode requests; ``timed``: a pure decode step whose
         layer times may teach the cost model (no prefill in it, no build beside it)."""
         self.num_decodes = num_decodes

@@ -18,7 +18,9 @@ so everything here is keyed by KV block ids:
   centre or segment covers means vLLM freed and reused it: those entries are dropped.
 * The store is capped (``index_memory_mb``); least recently used segments go first, but never
   those of a request still decoding (``ACTIVE_STEPS``). A request whose segments cannot be held
-  is attended exactly (stats: ``evicted``), and they are not built while there is no room.
+  is attended exactly (stats: ``evicted``), and they are not built while there is no room; a new
+  prompt whose whole index would not fit is planned exact before any layer tries
+  (``idle_room``, ``planner.StepPlanner._index_fits``).
 
 The store owns the whole segment life cycle (:meth:`IndexStore.get_or_build`: find, grow by
 merging, replace; :meth:`IndexStore.reserve`: evict, or refuse so the caller serves the
@@ -294,12 +296,18 @@ class IndexStore:
         return self._store(layer, ref, seg, cap_bytes)
 
     def _store(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None) -> Segment | None:
-        need = seg.index_bytes + seg.mirror_bytes
-        self._bytes_per_token[layer] = need / max(ref.num_tokens, 1)
+        need = self.note_size(layer, ref, seg)
         if cap_bytes is not None and not self.enforce_cap(cap_bytes - need):
             return self._refuse()
         self.put_segment(layer, ref.key, seg)
         return seg
+
+    def note_size(self, layer: Hashable, ref: SegmentRef, seg: Segment) -> int:
+        """The layer's bytes per token, from a segment stored or refused (so the next is sized before
+        it is built); returns the segment's bytes."""
+        need = seg.index_bytes + seg.mirror_bytes
+        self._bytes_per_token[layer] = need / max(ref.num_tokens, 1)
+        return need
 
     def _build(self, build: Callable[[SegmentRef], Segment], ref: SegmentRef) -> Segment:
         t0 = time.perf_counter()

@@ -49,26 +49,29 @@ class SparseLayer:
         self.ctx.settings = st
         self.ctx.projection = self.ctx.runtime.projection(self.ctx.head_size, st.K, st.L)
 
-    def forward(self, query: torch.Tensor, kv: KVViews, plan: DecodePlan, output: torch.Tensor) -> None:
-        """Decode attention for every decode request of the plan, by the step's method."""
+    def forward(self, query: torch.Tensor, kv: KVViews, plan: DecodePlan, output: torch.Tensor) -> bool:
+        """Decode attention for every decode request of the plan, by the step's method. Returns
+        whether every request planned sparse was served sparse (False when the layer attended one
+        exactly after all, its segments not kept under the cap: then the call's time is not
+        sampling's alone)."""
         ctx = self.ctx
         R, H, D = plan.num_decodes, ctx.num_heads, ctx.head_size
         q, out = query.view(R, H, D), output.view(R, H, D)
         if budget_applies(plan.settings) and plan.sparse:
-            self._forward_budget(q, kv, plan, out)
-        else:
-            self._run(q, kv, plan, out)
+            return self._forward_budget(q, kv, plan, out)
+        return self._run(q, kv, plan, out)
 
-    def _run(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> None:
+    def _run(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> bool:
         ctx = self.ctx
         method = ctx.runtime.decode_method(plan.settings.method)
         result = method.forward(ctx, q, kv, plan, out)
         self._account(plan, result, label=result.label or method.name)
         for observer in ctx.runtime.observers:
             observer.after_decode(ctx, q, kv, plan, out, result)
+        return not result.exact
 
     # ------------------------------------------------------------------ budget mode
-    def _forward_budget(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> None:
+    def _forward_budget(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, out: torch.Tensor) -> bool:
         choices = {r: self._request_choice(q, kv, plan, r) for r in plan.sparse}
         groups: dict[tuple[int, int, int], list[int]] = {}
         for r in plan.sparse:
@@ -77,17 +80,18 @@ class SparseLayer:
         if len(groups) == 1:
             ((K, L_built, L),) = groups
             self._bind(dataclasses.replace(base, K=K, L=L_built, L_read=L))
-            self._run(q, kv, plan, out)
-            return
+            return self._run(q, kv, plan, out)
         # One call per group; the requests planned exact ride with the first.
         exact_rows = [r for r in range(plan.num_decodes) if r not in choices]
+        all_served = True
         for i, ((K, L_built, L), rows) in enumerate(groups.items()):
             rows = sorted(rows + (exact_rows if i == 0 else []))
             idx = torch.tensor(rows, dtype=torch.long, device=q.device)
             sub_out = torch.empty(len(rows), *out.shape[1:], dtype=out.dtype, device=out.device)
             self._bind(dataclasses.replace(base, K=K, L=L_built, L_read=L))
-            self._run(q.index_select(0, idx).contiguous(), kv, sub_plan(plan, rows), sub_out)
+            all_served &= self._run(q.index_select(0, idx).contiguous(), kv, sub_plan(plan, rows), sub_out)
             out.index_copy_(0, idx, sub_out)
+        return all_served
 
     def _request_choice(self, q: torch.Tensor, kv: KVViews, plan: DecodePlan, r: int) -> Choice:
         """Request r's (K, L) in this layer (``Budget.request_choice``); its angles, when needed, are

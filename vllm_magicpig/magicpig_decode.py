@@ -2,9 +2,11 @@
 
 For every request planned sparse: its centre and segments come from the index (built from
 the KV cache on first need); then one ops call hashes the queries and attends every decode
-request of the batch. Requests that are not sampled go through the same call with
-their whole context as the exact part, so they are served exactly; a request whose segments
-do not fit under ``index_memory_mb`` is served that way too (reason ``evicted``).
+request of the plan. The backend hands this method the sampled requests only
+(``backend_common.DecodeSplit``: the platform kernel attends the exact ones); a request here
+without segments (one whose segments a layer could not keep under ``index_memory_mb``, reason
+``evicted``, or any exact request where the platform does not split) goes through the same call
+with its whole context as the exact part, so it is served exactly.
 """
 from __future__ import annotations
 
