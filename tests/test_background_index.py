@@ -250,3 +250,25 @@ def test_a_job_whose_index_no_longer_fits_is_not_installed_in_part(vllm_env):  #
     out, ref, meta = h.step()
     assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
     assert rel_err(out[0], ref[0]) < 2e-2
+
+
+def test_the_room_of_a_job_being_built_is_not_given_to_another_new_prompt(vllm_env):  # noqa: F811
+    """A new prompt arrives while another's job is being built, with room for one index: it is served
+    exactly as ``evicted`` (its install, or the first's, would otherwise refuse one of them after both
+    were built)."""
+    from vllm_magicpig.index import SegmentKey, SegmentRef, segment_owner
+
+    h = _prefilled(vllm_env, [3000, 2900], inline=False)
+    index, indexer = h.runtime.index, h.runtime.indexer
+    indexer._submit = lambda job: None  # jobs stay pending: being built throughout this test
+    # the layer's size, as a first segment teaches it: 1,000 bytes a token (a stand-in segment)
+    index.note_size(segment_owner(SPARSE_LAYER, 1, 64), SegmentRef(SegmentKey(0, 0, 1000, ()), 0),
+                    type("Sized", (), {"index_bytes": 1_000_000, "mirror_bytes": 0})())
+    index.idle_room = lambda cap: 4_000_000  # room for one index of ~2.9K tokens, not two
+    h.spec = BatchSpec([3000], [1])
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {0: "indexing"} and indexer.pending_tokens() > 2800
+    h.spec = BatchSpec([3000, 2900], [1, 1])
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {0: "indexing", 1: "evicted"}, meta.sparse_plan.exact_reason
+    assert h.stats()["index"]["background_jobs"] == 1

@@ -109,6 +109,11 @@ class BackgroundIndexer:
         """Whether prompt ``cid``'s index is being built here now."""
         return cid in self._pending
 
+    def pending_tokens(self) -> int:
+        """Tokens a layer's segments will hold once the jobs being built are installed (the room they
+        will take, which the planner must not give to another new prompt meanwhile)."""
+        return sum(ref.num_tokens for job in self._pending.values() for ref in job.refs)
+
     def ready(self, spec: CentreSpec, refs: list[SegmentRef], settings: Any) -> bool:
         """True when the request can be sampled now; else its index is (now) being built."""
         cid = spec.cid

@@ -299,7 +299,8 @@ class StepPlanner:
         if per_token is None:
             return True  # nothing built yet to size it by: build and see
         if self._room is None:
-            self._room = self.index.idle_room(self.cap_bytes)
+            pending = self.indexer.pending_tokens() if self.indexer is not None else 0
+            self._room = self.index.idle_room(self.cap_bytes) - per_token * pending
         need = per_token * tokens
         if need > self._room:
             return False
