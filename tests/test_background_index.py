@@ -256,6 +256,7 @@ def test_the_room_of_a_job_being_built_is_not_given_to_another_new_prompt(vllm_e
     """A new prompt arrives while another's job is being built, with room for one index: it is served
     exactly as ``evicted`` (its install, or the first's, would otherwise refuse one of them after both
     were built)."""
+    from tests.test_index import FakeSegment
     from vllm_magicpig.index import SegmentKey, SegmentRef, segment_owner
 
     h = _prefilled(vllm_env, [3000, 2900], inline=False)
@@ -263,7 +264,7 @@ def test_the_room_of_a_job_being_built_is_not_given_to_another_new_prompt(vllm_e
     indexer._submit = lambda job: None  # jobs stay pending: being built throughout this test
     # the layer's size, as a first segment teaches it: 1,000 bytes a token (a stand-in segment)
     index.note_size(segment_owner(SPARSE_LAYER, 1, 64), SegmentRef(SegmentKey(0, 0, 1000, ()), 0),
-                    type("Sized", (), {"index_bytes": 1_000_000, "mirror_bytes": 0})())
+                    FakeSegment((0, 1000), index_bytes=1_000_000, mirror_bytes=0))
     index.idle_room = lambda cap: 4_000_000  # room for one index of ~2.9K tokens, not two
     h.spec = BatchSpec([3000], [1])
     _, _, meta = h.step()

@@ -277,9 +277,8 @@ class IndexStore:
         the cap less what the segments used within ``active_steps`` steps hold. Nothing is evicted
         here. The store is in least-recently-used order, so those are its last entries."""
         in_use = 0
-        oldest_in_use = self.step - self.active_steps
         for k in reversed(self._segments):
-            if self._last_used.get(k, oldest_in_use) <= oldest_in_use:
+            if not self._in_use(k):
                 break
             seg = self._segments[k]
             in_use += seg.index_bytes + seg.mirror_bytes
@@ -402,11 +401,16 @@ class IndexStore:
         for layer in list(self._layers_by_key.get(key, ())):
             self.drop_segment(layer, key)
 
+    def _in_use(self, k: tuple[Hashable, SegmentKey]) -> bool:
+        """Whether segment ``k`` was used within ``active_steps`` steps: a request still decoding holds it."""
+        last = self._last_used.get(k)
+        return last is not None and last > self.step - self.active_steps
+
     def enforce_cap(self, cap_bytes: int) -> bool:
         """Evict least recently used segments not used within ``active_steps`` steps. True if under the cap."""
         while self.index_bytes + self.mirror_bytes > cap_bytes and self._segments:
             k, _ = next(iter(self._segments.items()))
-            if self._last_used.get(k, -self.active_steps) > self.step - self.active_steps:
+            if self._in_use(k):
                 return False  # everything left belongs to requests still decoding
             self.drop_segment(*k)
             self.stats.index["segments_evicted"] += 1
