@@ -134,7 +134,7 @@ def simhash_projection(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor
     runtime module pulls in the config, index and decode layers, which this script keeps out of its imports so
     that nothing can bring vLLM in). Any fixed projection serves the checks; device and CPU share this one."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(head_dim, K * L, generator=g, dtype=torch.float32)
+    return torch.randn(head_dim, K * L, generator=g, dtype=torch.float32).bfloat16().float()
 
 
 # ============================================================================ stand-ins for vLLM

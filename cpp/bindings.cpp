@@ -377,6 +377,15 @@ PYBIND11_MODULE(_C, m) {
       "Seconds per phase, summed over threads, since set_profiling(True).");
   m.def("active_isa", &active_isa);
   m.def(
+      "key_hash",
+      [](int dtype, uintptr_t w, int d, int K, int L) {
+        check_kl("key_hash", K, L);
+        check_ptr("key_hash", "w", w);
+        return std::string(key_hash_name(key_hash_for(dtype, reinterpret_cast<const float*>(w), d, K, L)));
+      },
+      py::arg("dtype"), py::arg("w"), py::arg("d"), py::arg("K"), py::arg("L"),
+      "How build_segment hashes keys of this dtype with this projection: 'bf16_pairs' or 'centred_fp32'.");
+  m.def(
       "isa_names",
       []() {
         std::vector<std::string> names;

@@ -273,6 +273,34 @@ void hash_rows(const float* x, int T, int d, const float* w, int K, int L, uint1
 void hash_rows_strided(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes, int ldc,
                        bool force_scalar);
 
+// How a build hashes its keys (hash.cpp).  Both compute sign((k - c) . w) per column; they differ
+// only in float32 rounding, so their codes agree up to ties.
+//  - kCentredFp32: k - c in float32, then hash_rows (any key dtype, any projection);
+//  - kBf16Pairs: bf16 keys against a projection whose entries are all bf16 values (runtime.py makes
+//    it so): k . w by the AVX-512 BF16 pair dot product (each product exact in float32, summed in
+//    float32), compared with c . w; half the instructions of the float32 FMAs, keys read as they
+//    are in the cache.  Chosen by the CPU (and MAGICPIG_ISA), never by force_scalar: force_scalar
+//    runs the chosen method's scalar twin.
+enum class KeyHash { kCentredFp32, kBf16Pairs };
+KeyHash key_hash_for(int dtype, const float* w, int d, int K, int L);
+const char* key_hash_name(KeyHash h);  // "centred_fp32", "bf16_pairs"
+
+// kBf16Pairs for one build: the projection packed as bf16 pairs [d/2][K*L][2] and c . w per KV head.
+// Reads w (the scalar twin) until it is destroyed.
+class Bf16KeyHasher {
+ public:
+  Bf16KeyHasher(const float* w, int d, int K, int L, const float* centre, int hkv, bool force_scalar);
+  // codes[t*L + l] of the T bf16 key rows at keys + t * row_stride (KV head h's centre).
+  void hash(const uint16_t* keys, size_t row_stride, int T, int h, uint16_t* codes) const;
+
+ private:
+  const float* w_;
+  int d_, K_, L_;
+  bool simd_;
+  std::vector<uint16_t> pairs_;  // [d/2][C][2]: w[2i][c], w[2i+1][c]
+  std::vector<float> cw_;        // [hkv][C]: c_h . w[:, c], summed in double
+};
+
 // ---- segment building (segment.cpp) ----
 std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* values, int n, int hkv, int d, int dtype,
                                        const float* centre, const float* w, int K, int L, bool force_scalar,

@@ -192,7 +192,166 @@ MP_AVX2 void hash_rows_avx2(const float* x, int T, int d, const float* w, int ld
 }
 #endif
 
+// ---- kBf16Pairs (common.h): bf16 keys against a bf16-valued projection ----
+
+// The scalar twin of bf16_pairs_group_avx512: per column, each pair's two products (exact in
+// float32: 8-bit by 8-bit significands) added to a float32 sum in the order the instruction's
+// definition gives (odd element, then even), then compared with c . w.  Columns are the inner loop,
+// each its own sum, as in hash_rows_scalar (GCC 12 at -O3 vectorized a per-column loop over the
+// pairs into wrong sums).
+void bf16_pairs_rows_scalar(const uint16_t* keys, size_t row_stride, int T, int d, const float* w, int C,
+                            const float* cw, int K, int L, uint16_t* codes) {
+  std::vector<float> acc(C);
+  std::vector<uint8_t> bits(C);
+  for (int t = 0; t < T; ++t) {
+    const uint16_t* k = keys + static_cast<size_t>(t) * row_stride;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int i = 0; i < d / 2; ++i) {
+      const float k0 = bf16_to_f(k[2 * i]), k1 = bf16_to_f(k[2 * i + 1]);
+      const float* w0 = w + static_cast<size_t>(2 * i) * C;
+      const float* w1 = w0 + C;
+      for (int c = 0; c < C; ++c) {
+        acc[c] += k1 * w1[c];
+        acc[c] += k0 * w0[c];
+      }
+    }
+    for (int c = 0; c < C; ++c) bits[c] = acc[c] > cw[c];
+    pack_codes(bits.data(), K, L, codes + static_cast<size_t>(t) * L);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 10
+#define MP_HASH_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define MP_HAS_BF16_HASH 1
+
+// hash_group_avx512's tiling (NR rows x 64 columns, 4 NR accumulators) with one vdpbf16ps per pair
+// of key elements where the float32 path has two FMAs: a row's pair is one 32-bit broadcast, a
+// column's pair is adjacent in `pairs`.  The sign of (k - c) . w is k . w > c . w, so the keys need
+// no centring pass.  A column's sum is the same chain of pair products whatever the group.
+template <int NR>
+MP_HASH_BF16 void bf16_pairs_group_avx512(const uint16_t* const* kr, int d, const uint16_t* pairs, int C,
+                                          const float* cw, uint16_t* masks, int stride) {
+  int c0 = 0;
+  for (; c0 + 64 <= C; c0 += 64) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
+    for (int i = 0; i < d / 2; ++i) {
+      const uint16_t* wi = pairs + (static_cast<size_t>(i) * C + c0) * 2;
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
+                     w2 = (__m512bh)_mm512_loadu_si512(wi + 64), w3 = (__m512bh)_mm512_loadu_si512(wi + 96);
+      for (int r = 0; r < NR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, kr[r] + 2 * i, sizeof pair);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      const __m512 threshold = _mm512_loadu_ps(cw + c0 + 16 * k);
+      for (int r = 0; r < NR; ++r)
+        masks[static_cast<size_t>(r) * stride + c0 / 16 + k] = _mm512_cmp_ps_mask(acc[r][k], threshold, _CMP_GT_OQ);
+    }
+  }
+  for (; c0 < C; c0 += 16) {
+    const int live = std::min(16, C - c0);
+    const __mmask16 m = static_cast<__mmask16>((1u << live) - 1);
+    const __mmask32 m2 = static_cast<__mmask32>((uint64_t{1} << (2 * live)) - 1);
+    __m512 a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = _mm512_setzero_ps();
+    for (int i = 0; i < d / 2; ++i) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m2, pairs + (static_cast<size_t>(i) * C + c0) * 2);
+      for (int r = 0; r < NR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, kr[r] + 2 * i, sizeof pair);
+        a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(pair), wv);
+      }
+    }
+    // masked-off lanes compare 0 > 0: their bits are 0 and never read
+    const __m512 threshold = _mm512_maskz_loadu_ps(m, cw + c0);
+    for (int r = 0; r < NR; ++r)
+      masks[static_cast<size_t>(r) * stride + c0 / 16] = _mm512_cmp_ps_mask(a[r], threshold, _CMP_GT_OQ);
+  }
+}
+
+using Bf16PairsGroup = void (*)(const uint16_t* const*, int, const uint16_t*, int, const float*, uint16_t*, int);
+const Bf16PairsGroup kBf16PairsGroups[kHashMaxRows] = {bf16_pairs_group_avx512<1>, bf16_pairs_group_avx512<2>,
+                                                       bf16_pairs_group_avx512<3>, bf16_pairs_group_avx512<4>,
+                                                       bf16_pairs_group_avx512<5>, bf16_pairs_group_avx512<6>};
+
+void bf16_pairs_rows_avx512(const uint16_t* keys, size_t row_stride, int T, int d, const uint16_t* pairs, int C,
+                            const float* cw, int K, int L, uint16_t* codes) {
+  const int stride = (C + 15) / 16 + 2;  // as hash_rows_avx512
+  std::vector<uint16_t> masks(static_cast<size_t>(kHashMaxRows) * stride, 0);
+  for (int t0 = 0; t0 < T;) {
+    const int groups = (T - t0 + kHashMaxRows - 1) / kHashMaxRows;
+    const int nr = (T - t0 + groups - 1) / groups;
+    const uint16_t* kr[kHashMaxRows];
+    for (int r = 0; r < nr; ++r) kr[r] = keys + static_cast<size_t>(t0 + r) * row_stride;
+    kBf16PairsGroups[nr - 1](kr, d, pairs, C, cw, masks.data(), stride);
+    for (int r = 0; r < nr; ++r)
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * L);
+    t0 += nr;
+  }
+}
+#endif
+
+bool bf16_valued(const float* w, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, w + i, sizeof u);
+    if (u & 0xffffu) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+KeyHash key_hash_for(int dtype, const float* w, int d, int K, int L) {
+#if defined(MP_HAS_BF16_HASH)
+  if (dtype == BF16 && d % 2 == 0 && resolve_isa(false) >= Isa::Avx512Bf16 &&
+      bf16_valued(w, static_cast<size_t>(d) * K * L))
+    return KeyHash::kBf16Pairs;
+#else
+  (void)dtype, (void)w, (void)d, (void)K, (void)L;
+#endif
+  return KeyHash::kCentredFp32;
+}
+
+const char* key_hash_name(KeyHash h) { return h == KeyHash::kBf16Pairs ? "bf16_pairs" : "centred_fp32"; }
+
+Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* centre, int hkv, bool force_scalar)
+    : w_(w), d_(d), K_(K), L_(L), simd_(!force_scalar) {
+  const int C = K * L;
+  pairs_.resize(static_cast<size_t>(d) * C);
+  for (int i = 0; i < d / 2; ++i)
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 2; ++j) {
+        uint32_t u;
+        std::memcpy(&u, w + static_cast<size_t>(2 * i + j) * C + c, sizeof u);
+        pairs_[(static_cast<size_t>(i) * C + c) * 2 + j] = static_cast<uint16_t>(u >> 16);  // exact: bf16-valued
+      }
+  cw_.resize(static_cast<size_t>(hkv) * C);
+  for (int h = 0; h < hkv; ++h)
+    for (int c = 0; c < C; ++c) {
+      double s = 0;
+      for (int j = 0; j < d; ++j)
+        s += static_cast<double>(centre[static_cast<size_t>(h) * d + j]) * w[static_cast<size_t>(j) * C + c];
+      cw_[static_cast<size_t>(h) * C + c] = static_cast<float>(s);
+    }
+}
+
+void Bf16KeyHasher::hash(const uint16_t* keys, size_t row_stride, int T, int h, uint16_t* codes) const {
+  const int C = K_ * L_;
+  const float* cw = cw_.data() + static_cast<size_t>(h) * C;
+#if defined(MP_HAS_BF16_HASH)
+  if (simd_) return bf16_pairs_rows_avx512(keys, row_stride, T, d_, pairs_.data(), C, cw, K_, L_, codes);
+#endif
+  bf16_pairs_rows_scalar(keys, row_stride, T, d_, w_, C, cw, K_, L_, codes);
+}
 
 void hash_rows_strided(const float* x, int T, int d, const float* w, int ldw, int K, int L, uint16_t* codes, int ldc,
                        bool force_scalar) {

@@ -189,15 +189,23 @@ std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* val
   Segment& s = *sp;
   std::vector<uint16_t> codes(static_cast<size_t>(hkv) * L * n);
   const int TB = kMirrorBlock, nblk = (n + TB - 1) / TB;
+  std::unique_ptr<Bf16KeyHasher> pairs;  // kBf16Pairs: hashes the keys as the cache holds them
+  if (key_hash_for(dtype, w, d, K, L) == KeyHash::kBf16Pairs)
+    pairs = std::make_unique<Bf16KeyHasher>(w, d, K, L, centre, hkv, force_scalar);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> x(static_cast<size_t>(TB) * d);
+    std::vector<float> x(pairs ? 0 : static_cast<size_t>(TB) * d);
     std::vector<uint16_t> cb(static_cast<size_t>(TB) * L);
 #pragma omp for schedule(dynamic)
     for (int job = 0; job < hkv * nblk; ++job) {
       const int h = job / nblk, t0 = (job % nblk) * TB, T = std::min(TB, n - t0);
-      mirror_block<true>(s, keys, values, centre, h, t0, T, x.data());
-      hash_rows(x.data(), T, d, w, K, L, cb.data(), force_scalar);
+      if (pairs) {
+        mirror_block<false>(s, keys, values, centre, h, t0, T, nullptr);
+        pairs->hash(keys + (static_cast<size_t>(t0) * hkv + h) * d, static_cast<size_t>(hkv) * d, T, h, cb.data());
+      } else {
+        mirror_block<true>(s, keys, values, centre, h, t0, T, x.data());
+        hash_rows(x.data(), T, d, w, K, L, cb.data(), force_scalar);
+      }
       for (int l = 0; l < L; ++l) {  // table-major: each table's T codes land in one run
         uint16_t* dst = codes.data() + (static_cast<size_t>(h) * L + l) * n + t0;
         for (int t = 0; t < T; ++t) dst[t] = cb[static_cast<size_t>(t) * L + l];

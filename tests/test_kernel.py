@@ -139,28 +139,50 @@ def check_case(case, seed, force_scalar, tag="", num_threads=None):
 TIE_MARGIN = 1e-5
 
 
-def assert_codes_agree(got, want, x, W, K, L, msg):
-    """Codes [n, L] of rows x [n, D] may differ only in bits whose projection is a float32 tie."""
+def assert_codes_agree(got, want, x, W, K, L, msg, summed=None):
+    """Codes [n, L] of rows x [n, D] may differ only in bits whose projection is a float32 tie.
+    ``summed`` [n, D]: the rows the hash summed in float32 where that is not x (the bf16-pairs key
+    hash sums k . w and compares it with c . w: its rounding scales with |k|, not |k - c|)."""
     diff = got != want
     if diff.any():
         margin = ref.projection_margin(x, W, K, L)  # [n, L, K]
+        if summed is not None:
+            margin = margin * x.double().norm(dim=-1).view(-1, 1, 1) / summed.double().norm(dim=-1).view(-1, 1, 1)
         bits = ((((got ^ want)[diff]).unsqueeze(-1) >> torch.arange(K)) & 1).bool()
         assert (margin[diff][bits] < TIE_MARGIN).all(), f"code bits differ beyond float32 ties ({msg})"
 
 
+def bf16_valued(W):
+    """A projection of bf16 values, as runtime.simhash_projection makes it."""
+    return W.bfloat16().float()
+
+
+# Which key hash a build takes here (kernel.key_hash): bf16 keys against a bf16-valued projection on
+# an AVX-512 BF16 path; float32 k - c otherwise.
+BF16_PAIRS_HERE = kx.active_isa() == "avx512_bf16"
+
+
+@pytest.mark.parametrize("projection", ["float32", "bf16_valued"])
 @pytest.mark.parametrize("K,L,n", [(10, 150, 1500), (16, 8, 700), (1, 32, 50), (7, 3, 5000)])
-def test_codes_match_reference(K, L, n):
+def test_codes_match_reference(K, L, n, projection):
+    """Both key hashes (kernel.key_hash) against the float64 codes of k - c; the projection decides
+    which one a build takes (bf16 keys, a bf16-valued projection and an AVX-512 BF16 CPU: bf16_pairs)."""
     seed, gen = new_seed()
     hkv, D = 2, 64
     keys, vals = make_keys(n, hkv, D, gen)
     centre = keys.float().mean(0)
     W = torch.randn(D, K * L, generator=gen)
+    if projection == "bf16_valued":
+        W = bf16_valued(W)
+    pairs = projection == "bf16_valued" and BF16_PAIRS_HERE
+    assert kx.key_hash(keys.dtype, W, K, L) == ("bf16_pairs" if pairs else "centred_fp32")
     seg = kx.build_segment(keys, vals, centre, W, K, L)
     got = seg.codes().long()
     want = ref.key_codes(keys, centre, W, K, L)
     kc = keys.double() - centre.double()
     for h in range(hkv):
-        assert_codes_agree(got[h].T, want[h].T, kc[:, h], W, K, L, f"seed={seed} head={h}")
+        assert_codes_agree(got[h].T, want[h].T, kc[:, h], W, K, L, f"seed={seed} head={h}",
+                           summed=keys[:, h] if pairs else None)
     # Queries go through the same hashing.
     x = torch.randn(33, D, generator=gen)
     assert_codes_agree(kx.hash_codes(x, W, K, L).long(), ref.simhash_codes(x, W, K, L), x, W, K, L, f"seed={seed}")
@@ -197,12 +219,58 @@ def test_scalar_hash_matches_fast(K, L, D):
     hkv, n = 2, 700
     keys, vals = make_keys(n, hkv, D, gen)
     centre = keys.float().mean(0)
-    fast_seg = kx.build_segment(keys, vals, centre, W, K, L)
-    scalar_seg = kx.build_segment(keys, vals, centre, W, K, L, force_scalar=True)
     kc = keys.double() - centre.double()
-    for h in range(hkv):
-        assert_codes_agree(scalar_seg.codes()[h].T.long(), fast_seg.codes()[h].T.long(), kc[:, h], W, K, L,
-                           f"build_segment seed={seed} head={h}")
+    # a bf16-valued projection: the bf16-pairs key hash against its scalar twin, where it runs
+    for P in (W, bf16_valued(W)):
+        pairs = kx.key_hash(keys.dtype, P, K, L) == "bf16_pairs"
+        fast_seg = kx.build_segment(keys, vals, centre, P, K, L)
+        scalar_seg = kx.build_segment(keys, vals, centre, P, K, L, force_scalar=True)
+        for h in range(hkv):
+            assert_codes_agree(scalar_seg.codes()[h].T.long(), fast_seg.codes()[h].T.long(), kc[:, h], P, K, L,
+                               f"build_segment seed={seed} head={h} key hash={'bf16_pairs' if pairs else 'fp32'}",
+                               summed=keys[:, h] if pairs else None)
+
+
+def test_which_key_hash_a_build_takes():
+    """bf16_pairs needs bf16 keys, a projection whose every entry is a bf16 value, and an AVX-512
+    BF16 path (not capped by MAGICPIG_ISA); one entry off the bf16 grid, or fp16 keys, take float32
+    k - c. force_scalar does not choose: it runs the chosen hash's scalar twin."""
+    gen = torch.Generator().manual_seed(5)
+    K, L, D = 10, 150, 64
+    W = bf16_valued(torch.randn(D, K * L, generator=gen))
+    assert kx.key_hash(torch.bfloat16, W, K, L) == ("bf16_pairs" if BF16_PAIRS_HERE else "centred_fp32")
+    off_grid = W.clone()
+    off_grid[D - 1, K * L - 1] += 2.0 ** -20  # one low mantissa bit of the last entry
+    assert kx.key_hash(torch.bfloat16, off_grid, K, L) == "centred_fp32"
+    assert kx.key_hash(torch.float16, W, K, L) == "centred_fp32"
+    # the plugin's own projection is on the bf16 grid: its builds take bf16_pairs where the CPU can
+    from vllm_magicpig.runtime import simhash_projection
+    P = simhash_projection(D, K, L, seed=0)
+    assert torch.equal(P, bf16_valued(P))
+    assert kx.key_hash(torch.bfloat16, P, K, L) == ("bf16_pairs" if BF16_PAIRS_HERE else "centred_fp32")
+    with pytest.raises(ValueError, match="projection"):
+        kx.key_hash(torch.bfloat16, W[:, :-1], K, L)
+    with pytest.raises(TypeError, match="keys_dtype"):
+        kx.key_hash(torch.float32, W, K, L)
+
+
+@pytest.mark.parametrize("D,K,L", [(64, 10, 150), (128, 7, 13), (64, 16, 3)])
+def test_bf16_pairs_codes_do_not_depend_on_the_tokens_beside(D, K, L):
+    """A key's codes are the same whichever build, block of 64 tokens or group of rows it falls in
+    (segments are merged and rebuilt in pieces: their codes must agree with a whole build): keys
+    built whole, in two uneven parts, and one by one; the columns' masked tail (K*L % 64, % 16)."""
+    seed, gen = new_seed()
+    n, hkv = 203, 2
+    keys, vals = make_keys(n, hkv, D, gen)
+    centre = keys.float().mean(0)
+    W = bf16_valued(torch.randn(D, K * L, generator=gen))
+    whole = kx.build_segment(keys, vals, centre, W, K, L).codes()
+    parts = torch.cat([kx.build_segment(keys[a:b], vals[a:b], centre, W, K, L).codes()
+                       for a, b in ((0, 77), (77, n))], dim=2)
+    one_by_one = torch.cat([kx.build_segment(keys[i:i + 1], vals[i:i + 1], centre, W, K, L).codes()
+                            for i in range(0, n, 7)], dim=2)
+    assert torch.equal(parts, whole), f"seed={seed}"
+    assert torch.equal(one_by_one, whole[:, :, ::7]), f"seed={seed}"
 
 
 def test_index_memory_target():

@@ -22,7 +22,7 @@ from . import _C, limits
 __all__ = [
     "Segment", "build_segment", "build_segment_from_codes", "merge_segments", "hash_codes",
     "DecodeStep", "sparse_decode_attention", "magicpig_decode_attention", "active_isa", "cpu_isa", "ISA_NAMES",
-    "max_threads", "profiling", "MAX_SEGMENT_TOKENS",
+    "max_threads", "profiling", "MAX_SEGMENT_TOKENS", "key_hash",
 ]
 
 MAX_SEGMENT_TOKENS = limits.MAX_SEGMENT_TOKENS
@@ -48,6 +48,19 @@ def active_isa() -> str:
     """The path the kernel runs: the fastest this CPU has ("avx512_bf16", "avx512", "avx2" or
     "scalar"), capped by ``MAGICPIG_ISA``."""
     return _C.active_isa()
+
+
+def key_hash(keys_dtype: torch.dtype, projection: torch.Tensor, K: int, L: int) -> str:
+    """How :func:`build_segment` hashes keys of ``keys_dtype`` with ``projection [D, K*L]`` on this
+    CPU (as capped by ``MAGICPIG_ISA``): ``"bf16_pairs"`` (bf16 keys, a projection of bf16 values,
+    an AVX-512 BF16 CPU: the pair dot product on the keys as the cache holds them) or
+    ``"centred_fp32"`` (float32 ``k - c``, any dtype and projection). Both give the codes of
+    ``sign((k - c) . w)``, up to float32 ties."""
+    if keys_dtype not in _DTYPE_CODE:
+        raise TypeError(f"keys_dtype must be in {[str(d) for d in _DTYPE_CODE]}, got {keys_dtype}")
+    _check_kl(K, L)
+    projection = _check_projection(projection, projection.shape[0] if projection.dim() else 0, K, L)
+    return _C.key_hash(_DTYPE_CODE[keys_dtype], projection.data_ptr(), projection.shape[0], K, L)
 
 
 def cpu_isa() -> str:

@@ -29,9 +29,16 @@ from vllm_magicpig.stats import Stats
 
 
 def simhash_projection(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
-    """A seeded Gaussian SimHash projection [D, K*L] (float32)."""
+    """A seeded Gaussian SimHash projection [D, K*L] (float32 holding bf16 values).
+
+    Rounded to bf16 so that a bf16 key's products with it are exact in float32: a build then hashes
+    the keys as the cache holds them with the AVX-512 BF16 pair dot product, half the instructions
+    of float32 FMAs (``kernel.key_hash``). Rounding moves each entry by at most 2^-9 of itself, so
+    each hyperplane's normal turns by ~1e-3 radians: the collision probability (1 - theta / pi)^K,
+    exact for Gaussian normals, moves by about as much. Queries, keys, the GPU's hash and the
+    float64 references all use these values."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(head_dim, K * L, generator=g, dtype=torch.float32)
+    return torch.randn(head_dim, K * L, generator=g, dtype=torch.float32).bfloat16().float()
 
 
 class MagicPigRuntime:
