@@ -76,6 +76,33 @@ def test_a_timed_context_samples_as_real_keys_do_and_runs_each_side():
     assert calls == [((1, 9, 64), (32, 3, 128, 128), (1, 32), 4096)] * (cal.WARMUP + cal.REPEATS)
 
 
+def test_the_build_is_timed_on_memory_a_build_already_touched():
+    """The prompt is built twice and the second build timed: the first touches memory the process
+    never had (on a VM, ~40x dearer a MB than memory already backed), which the segments' pool then
+    hands to the second, as to an engine's later builds. A first build made slow on purpose (a
+    STAND-IN for that first touch: it sleeps) is not in the timing."""
+    import time
+
+    from vllm_magicpig.ops import CpuKernelOps
+    from vllm_magicpig.runtime import simhash_projection
+
+    class FirstBuildSlow(CpuKernelOps):
+        calls = 0
+
+        def build_segment(self, *args, **kwargs):
+            FirstBuildSlow.calls += 1
+            if FirstBuildSlow.calls == 1:
+                time.sleep(0.5)
+            return super().build_segment(*args, **kwargs)
+
+    cfg = MagicPigConfig()
+    gen = torch.Generator().manual_seed(cal.SEED)
+    p = cal.time_context(cfg, SMOLLM2, FirstBuildSlow(), simhash_projection(64, 10, 150, 0), CpuVecLayout().views,
+                         lambda *a: None, 4096, gen)
+    assert FirstBuildSlow.calls == 2  # one segment (4K tokens), built twice
+    assert 0 < p["build_s"] < 0.5, p
+
+
 def test_the_exact_side_is_vllms_own_decode_kernel(vllm_env):  # noqa: F811
     """CpuDecodeKernel gives what CPUAttentionBackendImpl gives for the same decode."""
     from vllm.config import set_current_vllm_config

@@ -340,8 +340,9 @@ def merge_segments(segments: Sequence[Segment], num_threads: int | None = None) 
 
 def hash_codes(x, projection, K: int, L: int, *, force_scalar: bool = False,
                num_threads: int | None = None) -> torch.Tensor:
-    """int32 [N, L] SimHash codes of rows x [N, D], with the same arithmetic as the segment build
-    (given the same ``force_scalar``)."""
+    """int32 [N, L] SimHash codes of rows x [N, D], with the arithmetic of a build's float32 k - c
+    hash (``key_hash`` "centred_fp32", given the same ``force_scalar``); a "bf16_pairs" build's codes
+    agree with them up to float32 ties."""
     _check_kl(K, L)
     _tensor("x", x)
     _dtype("x", x, (torch.float32, torch.bfloat16, torch.float16))

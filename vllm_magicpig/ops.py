@@ -22,7 +22,7 @@ class SparseDecodeOps(Protocol):
         """Concatenate segments in token order without re-hashing."""
 
     def hash_codes(self, x: torch.Tensor, projection: torch.Tensor, K: int, L: int) -> torch.Tensor:
-        """int32 ``[N, L]`` SimHash codes of rows ``x [N, D]``, bit-identical to a segment build's."""
+        """int32 ``[N, L]`` SimHash codes of rows ``x [N, D]``: a segment build's, up to float32 ties."""
 
     def build_segment_from_codes(self, keys: torch.Tensor, values: torch.Tensor, centre: torch.Tensor,
                                  codes: torch.Tensor, K: int, L: int) -> Any:

@@ -62,7 +62,8 @@ class PerKeyCache:
 
 def key_codes(ops, keys: torch.Tensor, centres: torch.Tensor, projection: torch.Tensor, K: int, L: int):
     """(int16 codes [Hkv, L, n], float32 |k - c| [Hkv, n]) of keys [n, Hkv, D] with per-key centres,
-    hashed by the kernel's own routine (same float32 arithmetic as a segment build)."""
+    hashed by the kernel's own routine (a float32 k - c build's arithmetic; a bf16-pairs build's codes
+    agree up to float32 ties)."""
     n, hkv, D = keys.shape
     x = keys.float() - centres
     codes = ops.hash_codes(x.reshape(n * hkv, D), projection, K, L).view(n, hkv, L)
