@@ -371,3 +371,32 @@ def test_a_calibration_that_timed_nothing_leaves_the_model_as_it_was():
     m.calibrate([], [], (0, 0.0), {"contexts": [], "skipped": "no context up to max_model_len is sampled"})
     assert m.predicted(4096) is None and m.index_pays(1, 4096)  # built at once, as uncalibrated
     assert m.snapshot()["calibration"]["skipped"]
+
+
+def test_the_stats_log_line_says_what_the_model_believes():
+    """The periodic stats line carries the fitted costs at 4K and 16K, the build's cost and the
+    prompts waiting for their build, so a server log shows why decodes were served exactly; nothing
+    before the model has measured anything."""
+    assert DecodeCostModel().summary() == ""
+    m = measured()
+    assert m.index_pays(cid=7, context=8192) is False  # one prompt's build waits
+    exact4, sparse4 = m.predicted(4096)
+    line = m.summary()
+    assert line.startswith("cost_model[4K exact/sampled us ") and line.endswith("deferred prompts 1]"), line
+    assert f"4K exact/sampled us {exact4 * 1e6:.0f}/{sparse4 * 1e6:.0f}" in line, line
+    assert f"build ms/1K tokens {BUILD_PER_TOKEN * 1e6:.1f}" in line, line
+
+    stats = Stats()
+    stats.add_section("cost_model", lambda: {"cost_model": m.snapshot()}, summary=m.summary)
+    assert stats.summary_line().endswith(" " + line)
+
+
+def test_a_runtimes_stats_line_carries_its_cost_model():
+    from vllm_magicpig.runtime import MagicPigRuntime
+
+    rt = MagicPigRuntime(MagicPigConfig(), num_layers=2)
+    assert "cost_model[" not in rt.stats.summary_line()  # nothing measured yet
+    for _ in range(16):
+        rt.cost.observe_exact(1, 4096, cost(EXACT, 1, 4096))
+        rt.cost.observe_sparse(1, 4096, cost(SPARSE, 1, 4096))
+    assert "cost_model[4K exact/sampled us " in rt.stats.summary_line()

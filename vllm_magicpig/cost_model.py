@@ -271,6 +271,23 @@ class DecodeCostModel:
         """The index was cleared: the deferred prompts' centres are gone (measured costs stay)."""
         self._saved.clear()
 
+    def summary(self) -> str:
+        """The stats log line's part: what the model believes now, so a log shows why decodes were
+        served exactly (``sampling_slower``, ``index_deferred``); empty until it predicts anything."""
+        parts = []
+        for n in (4096, 16384):
+            p = self.predicted(n)
+            if p is not None:
+                parts.append(f"{n // 1024}K exact/sampled us {p[0] * 1e6:.0f}/{p[1] * 1e6:.0f}")
+        with self._lock:
+            per_token = self.build.per_token()
+            deferred = len(self._saved)
+        if per_token is not None:
+            parts.append(f"build ms/1K tokens {per_token * 1e6:.1f}")
+        if not parts:
+            return ""
+        return "cost_model[" + ", ".join(parts + [f"deferred prompts {deferred}"]) + "]"
+
     def snapshot(self) -> dict:
         """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys,
         and a build's seconds per 1K tokens and layer."""

@@ -68,7 +68,8 @@ class MagicPigRuntime:
         self.stats.add_section("kv_layout", lambda: {"kv_layout": self.layout.name})
         self.cost = DecodeCostModel() if cfg.cost_model else None
         if self.cost is not None:
-            self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()})
+            self.stats.add_section("cost_model", lambda: {"cost_model": self.cost.snapshot()},
+                                   summary=self.cost.summary)
             self.index.on_build = self.cost.observe_build
         self.mirror = HostMirror(mirror_engine, self.stats, self.cap_bytes // 2) if mirror_engine is not None else None
         self.methods = dict(methods or {})
