@@ -327,21 +327,30 @@ Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* c
     : w_(w), d_(d), K_(K), L_(L), simd_(!force_scalar) {
   const int C = K * L;
   pairs_.resize(static_cast<size_t>(d) * C);
-  for (int i = 0; i < d / 2; ++i)
-    for (int c = 0; c < C; ++c)
-      for (int j = 0; j < 2; ++j) {
-        uint32_t u;
-        std::memcpy(&u, w + static_cast<size_t>(2 * i + j) * C + c, sizeof u);
-        pairs_[(static_cast<size_t>(i) * C + c) * 2 + j] = static_cast<uint16_t>(u >> 16);  // exact: bf16-valued
-      }
-  cw_.resize(static_cast<size_t>(hkv) * C);
-  for (int h = 0; h < hkv; ++h)
+  for (int i = 0; i < d / 2; ++i) {
+    const float* w0 = w + static_cast<size_t>(2 * i) * C;
+    uint16_t* dst = pairs_.data() + static_cast<size_t>(i) * C * 2;
     for (int c = 0; c < C; ++c) {
-      double s = 0;
-      for (int j = 0; j < d; ++j)
-        s += static_cast<double>(centre[static_cast<size_t>(h) * d + j]) * w[static_cast<size_t>(j) * C + c];
-      cw_[static_cast<size_t>(h) * C + c] = static_cast<float>(s);
+      uint32_t u0, u1;
+      std::memcpy(&u0, w0 + c, sizeof u0);
+      std::memcpy(&u1, w0 + C + c, sizeof u1);
+      dst[2 * c] = static_cast<uint16_t>(u0 >> 16);  // exact: bf16-valued
+      dst[2 * c + 1] = static_cast<uint16_t>(u1 >> 16);
     }
+  }
+  // c_h . w per column, in double; rows of w outermost so the inner loop runs along a row (a
+  // growth step's build of a few hundred tokens pays this once)
+  cw_.resize(static_cast<size_t>(hkv) * C);
+  std::vector<double> sum(C);
+  for (int h = 0; h < hkv; ++h) {
+    std::fill(sum.begin(), sum.end(), 0.0);
+    for (int j = 0; j < d; ++j) {
+      const double cj = centre[static_cast<size_t>(h) * d + j];
+      const float* wj = w + static_cast<size_t>(j) * C;
+      for (int c = 0; c < C; ++c) sum[c] += cj * wj[c];
+    }
+    for (int c = 0; c < C; ++c) cw_[static_cast<size_t>(h) * C + c] = static_cast<float>(sum[c]);
+  }
 }
 
 void Bf16KeyHasher::hash(const uint16_t* keys, size_t row_stride, int T, int h, uint16_t* codes) const {
