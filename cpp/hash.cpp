@@ -64,6 +64,25 @@ inline void pack_from_masks(const uint16_t* m, int K, int L, uint16_t* codes) {
 #define MP_HASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 constexpr int kHashMaxRows = 6;
 
+// The AVX-512 drivers' loop: rows [0, T) in groups of up to kHashMaxRows, sized evenly by the rows
+// left (7: 4 + 3); group(rows, nr, masks, stride) writes nr rows of sign masks, which are cut into
+// codes [t * ldc + l].  row(t) points at row t.
+template <class Row, class Group>
+void hash_in_row_groups(int T, int C, int K, int L, uint16_t* codes, int ldc, Row row, Group group) {
+  const int stride = (C + 15) / 16 + 2;  // + 2 words: pack_from_masks reads 4 bytes
+  std::vector<uint16_t> masks(static_cast<size_t>(kHashMaxRows) * stride, 0);
+  for (int t0 = 0; t0 < T;) {
+    const int groups = (T - t0 + kHashMaxRows - 1) / kHashMaxRows;
+    const int nr = (T - t0 + groups - 1) / groups;
+    decltype(row(0)) rows[kHashMaxRows];
+    for (int r = 0; r < nr; ++r) rows[r] = row(t0 + r);
+    group(rows, nr, masks.data(), stride);
+    for (int r = 0; r < nr; ++r)
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
+    t0 += nr;
+  }
+}
+
 template <int NR>
 MP_HASH_AVX512 void hash_group_avx512(const float* const* xr, int d, const float* w, int ldw, int C, uint16_t* masks,
                                       int stride) {
@@ -110,18 +129,12 @@ const HashGroup kHashGroups[kHashMaxRows] = {hash_group_avx512<1>, hash_group_av
 
 MP_HASH_AVX512 void hash_rows_avx512(const float* x, int T, int d, const float* w, int ldw, int K, int L,
                                      uint16_t* codes, int ldc) {
-  const int C = K * L, stride = (C + 15) / 16 + 2;  // + 2 words: pack_from_masks reads 4 bytes
-  std::vector<uint16_t> masks(static_cast<size_t>(kHashMaxRows) * stride, 0);
-  for (int t0 = 0; t0 < T;) {
-    const int groups = (T - t0 + kHashMaxRows - 1) / kHashMaxRows;  // the rows left, in even groups (7: 4 + 3)
-    const int nr = (T - t0 + groups - 1) / groups;
-    const float* xr[kHashMaxRows];
-    for (int r = 0; r < nr; ++r) xr[r] = x + static_cast<size_t>(t0 + r) * d;
-    kHashGroups[nr - 1](xr, d, w, ldw, C, masks.data(), stride);
-    for (int r = 0; r < nr; ++r)
-      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * ldc);
-    t0 += nr;
-  }
+  const int C = K * L;
+  hash_in_row_groups(
+      T, C, K, L, codes, ldc, [&](int t) { return x + static_cast<size_t>(t) * d; },
+      [&](const float* const* xr, int nr, uint16_t* masks, int stride) {
+        kHashGroups[nr - 1](xr, d, w, ldw, C, masks, stride);
+      });
 }
 
 // The AVX2 twin of hash_rows_avx512.  Each column sums its d products in the same order with the
@@ -284,18 +297,11 @@ const Bf16PairsGroup kBf16PairsGroups[kHashMaxRows] = {bf16_pairs_group_avx512<1
 
 void bf16_pairs_rows_avx512(const uint16_t* keys, size_t row_stride, int T, int d, const uint16_t* pairs, int C,
                             const float* cw, int K, int L, uint16_t* codes) {
-  const int stride = (C + 15) / 16 + 2;  // as hash_rows_avx512
-  std::vector<uint16_t> masks(static_cast<size_t>(kHashMaxRows) * stride, 0);
-  for (int t0 = 0; t0 < T;) {
-    const int groups = (T - t0 + kHashMaxRows - 1) / kHashMaxRows;
-    const int nr = (T - t0 + groups - 1) / groups;
-    const uint16_t* kr[kHashMaxRows];
-    for (int r = 0; r < nr; ++r) kr[r] = keys + static_cast<size_t>(t0 + r) * row_stride;
-    kBf16PairsGroups[nr - 1](kr, d, pairs, C, cw, masks.data(), stride);
-    for (int r = 0; r < nr; ++r)
-      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(t0 + r) * L);
-    t0 += nr;
-  }
+  hash_in_row_groups(
+      T, C, K, L, codes, L, [&](int t) { return keys + static_cast<size_t>(t) * row_stride; },
+      [&](const uint16_t* const* kr, int nr, uint16_t* masks, int stride) {
+        kBf16PairsGroups[nr - 1](kr, d, pairs, C, cw, masks, stride);
+      });
 }
 #endif
 
