@@ -341,6 +341,17 @@ RUNS = {"MAGICPIG": ("MAGICPIG", {}), "MAGICPIG-sampled": ("MAGICPIG", {"cost_mo
         "CPU_ATTN": ("CPU_ATTN", None)}
 
 
+def magicpig_config(index_mb: int, extra: dict) -> dict:
+    """MAGICPIG's config for this load: K=10, L=150, the cap, and ``--magicpig``'s keys, checked by the
+    plugin's own parser now rather than by the server minutes into a run."""
+    cfg = {"K": 10, "L": 150, "index_memory_mb": index_mb} | extra
+    try:
+        parse_config({"magicpig": cfg})
+    except ValueError as e:
+        raise SystemExit(f"--magicpig: {e}") from None
+    return cfg
+
+
 def run_config(label: str, magicpig: dict) -> tuple[str, dict | None]:
     """The vLLM backend of run ``label`` and its MAGICPIG config (None for an exact backend)."""
     if label not in RUNS:
@@ -511,6 +522,8 @@ def main() -> int:
     ap.add_argument("--backends", default="MAGICPIG,MAGICPIG-sampled,CPU_ATTN",
                     help=f"comma-separated runs, in order: {', '.join(RUNS)}")
     ap.add_argument("--index-mb", type=int, default=2048, help="MAGICPIG's index_memory_mb")
+    ap.add_argument("--magicpig", type=json.loads, default={},
+                    help="more keys of MAGICPIG's config for its runs, as JSON (e.g. '{\"segment_tokens\": 128}')")
     ap.add_argument("--answer-tokens", type=int, default=None,
                     help="each retrieval streams an answer of exactly this many tokens (default: short answers)")
     ap.add_argument("--kv-cache-gb", type=int, default=4)
@@ -518,7 +531,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_load")
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.doc_tokens.split(","))
-    magicpig = {"K": 10, "L": 150, "index_memory_mb": a.index_mb}
+    magicpig = magicpig_config(a.index_mb, a.magicpig)
     reports, problems = run(a.requests, (lo, hi), a.backends.split(","), a.out, magicpig, a.kv_cache_gb, a.seed,
                             command="python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
                             answer_tokens=a.answer_tokens)

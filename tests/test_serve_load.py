@@ -64,6 +64,13 @@ def test_each_magicpig_run_is_checked_against_cpu_attn():
     assert serve_load.verdict(reports, [], 4, 1.5) == ["retrieval: MAGICPIG-sampled 7/10 < CPU_ATTN 9/10 - 1"]
 
 
+def test_magicpig_config_takes_more_keys_and_refuses_bad_ones_before_the_run():
+    assert serve_load.magicpig_config(512, {}) == {"K": 10, "L": 150, "index_memory_mb": 512}
+    assert serve_load.magicpig_config(512, {"segment_tokens": 128})["segment_tokens"] == 128
+    with pytest.raises(SystemExit, match="--magicpig: .*segment_tokns"):
+        serve_load.magicpig_config(512, {"segment_tokns": 128})
+
+
 def test_runs_are_named_and_configured():
     cfg = {"K": 10, "L": 150, "index_memory_mb": 512}
     assert serve_load.run_config("MAGICPIG", cfg) == ("MAGICPIG", cfg)
