@@ -65,6 +65,7 @@ def time_shape(kernel, hkv: int, d: int, tokens: int, threads: int, reps: int) -
     codes = kernel.build_segment(keys, vals, centre, projections["float32"], K, L, num_threads=threads).codes()
     from_codes_us = best_s(lambda: kernel.build_segment_from_codes(keys, vals, centre, codes, K, L,
                                                                     num_threads=threads), reps) / n * 1e6
+    key_hash = getattr(kernel, "key_hash", None)  # absent in trees before the bf16-pairs hash
     out = {}
     for name, proj in projections.items():
         def build(mirror, proj=proj):
@@ -72,7 +73,6 @@ def time_shape(kernel, hkv: int, d: int, tokens: int, threads: int, reps: int) -
 
         build_us = best_s(build("cache"), reps) / n * 1e6
         hash_us = max(build_us - from_codes_us, 1e-9)  # the build less its mirror and bucket sort
-        key_hash = getattr(kernel, "key_hash", None)  # absent in trees before the bf16-pairs hash
         out[name] = {
             "key_hash": key_hash(keys.dtype, proj, K, L) if key_hash else "centred_fp32",
             "hash_us": hash_us,
@@ -149,19 +149,19 @@ def main(argv=None) -> int:
                 print(f"| {label} | {shape} | {proj} | {method} | "
                       + " | ".join(f"{v:.2f}" if k != "hash_gflops" else f"{v:.1f}" for (k, _), v in zip(cols, vals))
                       + f" | {prompt} |")
-    def ratio(num: tuple, den: tuple, k: str) -> float:  # (tree, projection) pairs
+    def ratio(shape: str, num: tuple, den: tuple, k: str) -> float:  # num, den: (tree, projection)
         return median_of(rounds[num[0]], shape, num[1], k) / median_of(rounds[den[0]], shape, den[1], k)
 
     print("\nruntime's projection over float32's, same tree (time ratio, > 1: runtime's is faster):")
     for label in trees:
         for shape in SHAPES:
-            parts = [f"{name} {ratio((label, 'float32'), (label, 'runtime'), k):.2f}x"
+            parts = [f"{name} {ratio(shape, (label, 'float32'), (label, 'runtime'), k):.2f}x"
                      for k, name in (("hash_us", "hash"), ("build_us", "build bf16"), ("build_int8_us", "build int8"))]
             print(f"  {label}, {shape}: " + ", ".join(parts))
     if a.against is not None:
         print("\nthis tree over against, runtime's projection (time ratio, > 1: this tree is faster):")
         for shape in SHAPES:
-            parts = [f"{name} {ratio(('against', 'runtime'), ('this tree', 'runtime'), k):.2f}x"
+            parts = [f"{name} {ratio(shape, ('against', 'runtime'), ('this tree', 'runtime'), k):.2f}x"
                      for k, name in (("hash_us", "hash"), ("from_codes_us", "mirror + sort"),
                                      ("build_us", "build bf16"), ("build_int8_us", "build int8"))]
             print(f"  {shape}: " + ", ".join(parts))

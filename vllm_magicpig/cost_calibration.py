@@ -148,8 +148,8 @@ def time_context(cfg: MagicPigConfig, shape: LayerShape, ops: Any, projection: t
         return centre, segments
 
     # Built twice, the second timed: the first touches memory the process never had, which a
-    # hypervisor may back page by page (~40 ms a MB measured on the AMD VM, against ~1 for memory
-    # it has backed), and which then waits, freed, in the segments' pool for the next build. An
+    # hypervisor may back page by page (32-52 ms a MB on a freshly booted AMD VM, against 0.1-0.4
+    # once backed), and which then waits, freed, in the segments' pool for the next build. An
     # engine's builds take their memory from that pool, so the second is the build they repeat.
     build()
     t0 = time.perf_counter()
