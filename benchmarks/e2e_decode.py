@@ -219,8 +219,10 @@ def first_decode_ms(llms: dict, prompt: str, reps: int = REPEATS) -> dict:
 def _waiting(before: dict, after: dict) -> bool:
     """The prompts' index was not in place during the run between two stats: a background build
     is still running, or the cost model deferred it (``index_deferred``: until the exact decodes
-    would have paid for it, cost_model.py)."""
-    deferred = [st["decode_exact"].get("index_deferred", 0) for st in (before, after)]
+    would have paid for it, cost_model.py; ``index_cannot_pay``: the prompt's first request, whose
+    few tokens could not pay it back: the warm-up's next runs over the prompt may)."""
+    deferred = [sum(st["decode_exact"].get(k, 0) for k in ("index_deferred", "index_cannot_pay"))
+                for st in (before, after)]
     return bool(_indexing(after)) or deferred[1] > deferred[0]
 
 

@@ -228,6 +228,69 @@ def test_planner_defers_a_new_prompts_index_until_it_pays():
     assert m.snapshot()["deferred_prompts"] == 0
 
 
+@pytest.mark.parametrize("context", [3000, 8192])
+def test_a_build_that_cannot_pay_back_before_the_answer_ends_waits(context):
+    """With the request's bound on its remaining decodes, the account that has saved the build's
+    cost builds only if the remaining decodes can save it again; else it stays open (the prompt's
+    later requests may still pay), and the build follows once a request with room comes."""
+    exact, sparse = measured().predicted(context)
+    build = BUILD_PER_TOKEN * context
+    decodes_to_pay = build / (exact - sparse)
+    ski = steps_until_built(measured(), cid=1, context=context)
+    m = measured()
+    short = math.floor(decodes_to_pay)  # one decode too few to pay back
+    assert not m.build_can_pay(context, short) and m.build_can_pay(context, short + 1)
+    assert not any(m.index_pays(1, context, remaining=short) for _ in range(3 * ski))
+    assert m.snapshot()["deferred_prompts"] == 1  # still deferred, its savings kept
+    assert m.index_pays(1, context, remaining=short + 1)  # the next request over it has room: built at once
+    # a bound large enough changes nothing: built when the decodes have saved the build
+    m = measured()
+    assert next(i for i in range(1, 10_000) if m.index_pays(2, context, remaining=10 ** 6)) == ski
+    # until the costs are measured nothing can be judged: built at once, as without a bound
+    assert DecodeCostModel().index_pays(1, context, remaining=1) and DecodeCostModel().build_can_pay(context, 0)
+
+
+def test_planner_serves_a_request_whose_build_cannot_pay_back_exactly_with_its_reason():
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    index = IndexStore(Stats(), cfg.segment_tokens)
+    m = measured()
+    planner = StepPlanner(cfg, 16, index, cost=m)
+    seq = torch.tensor([8192, 8192], dtype=torch.int32)
+    table = torch.arange(1040, dtype=torch.int32).view(2, 520)
+    ski = steps_until_built(measured(), cid=1, context=8192)
+    settings = StepSettings.from_config(cfg)
+    reasons = [planner.plan(FakeCam(seq, table), 2, settings, [3, None]).exact_reason for _ in range(ski)]
+    # row 0 (3 decodes left: its build could never pay back) is never built, and says so; row 1 (no
+    # bound) builds at the ski-rental step
+    assert [r.get(0) for r in reasons] == ["index_cannot_pay"] * ski, reasons
+    assert [r.get(1) for r in reasons] == ["index_deferred"] * (ski - 1) + [None], reasons
+    # row 0's prompt kept its account: a later request over it with room builds at once
+    assert planner.plan(FakeCam(seq[:1], table[:1]), 1, settings, [10 ** 6]).sparse == [0]
+
+
+def test_a_prompt_asked_again_is_judged_by_ski_rental_alone():
+    """A second request over the same prompt (a prefix-cache hit: its prefill recomputes the last
+    token) means the prompt may be asked more: no single answer's bound keeps its build off then."""
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    planner = StepPlanner(cfg, 16, IndexStore(Stats(), cfg.segment_tokens), cost=measured())
+    settings = StepSettings.from_config(cfg)
+    table = torch.arange(520, dtype=torch.int32).view(1, 520)
+    ski = steps_until_built(measured(), cid=1, context=8192)
+
+    def prefill_then_decode(bound):  # the request's last prefill token, then its first decode
+        last = torch.tensor([8191], dtype=torch.int64)  # block 511, slot 15: the prompt's last token
+        planner.observe_step(FakeCam(torch.tensor([8191], dtype=torch.int32), table, slot_mapping=last,
+                                     num_reqs=1), 0)
+        return planner.plan(FakeCam(torch.tensor([8192], dtype=torch.int32), table), 1, settings, [bound])
+
+    assert prefill_then_decode(3).exact_reason == {0: "index_cannot_pay"}  # the first request: its bound decides
+    for _ in range(ski):  # it decodes on, its account growing
+        assert planner.plan(FakeCam(torch.tensor([8192], dtype=torch.int32), table), 1, settings,
+                            [3]).exact_reason == {0: "index_cannot_pay"}
+    # the second request over the prompt, with as short an answer: built, its account having paid
+    assert prefill_then_decode(3).sparse == [0]
+
+
 def test_built_at_once_where_sampling_was_never_timed_at_such_a_context():
     """Sampling timed at 4K only: an 8K prompt is built at once (its sampled cost is extrapolated
     and a deferred prompt is never sampled, so only a build measures it); a 6K one may wait."""

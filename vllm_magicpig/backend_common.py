@@ -204,7 +204,10 @@ class MagicPigBuilderMixin:
             stats.prefill_tokens += cam.num_actual_tokens - num_decode_tokens
         host = self.host_view(cam, cam.num_reqs)
         self.planner.observe_step(host, num_decodes)
-        plan = self.planner.plan(host, num_decodes, rt.step_settings()) if num_decodes else None
+        bounds, rt.answer_bounds = rt.answer_bounds, None  # this step's, published by the runner (answer_bounds.py)
+        if bounds is not None and len(bounds) < num_decodes:
+            bounds = None
+        plan = self.planner.plan(host, num_decodes, rt.step_settings(), bounds) if num_decodes else None
         if rt.cfg.log_stats_interval and stats.steps % rt.cfg.log_stats_interval == 0:
             logger.info(stats.summary_line())
         tally = split = None

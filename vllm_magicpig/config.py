@@ -77,7 +77,8 @@ class MagicPigConfig:
     """Serve a decode exactly when this worker's own timings predict that sampling its context
     would be slower than exact attention (stats: ``sampling_slower``; see ``cost_model.py``), and
     index a new prompt once its exact decodes would have saved what the build costs (stats:
-    ``index_deferred``). false: index every prompt at its first decode and sample every request
+    ``index_deferred``) and its request's ``max_tokens`` leaves room for the build to pay back
+    (``index_cannot_pay``). false: index every prompt at its first decode and sample every request
     past ``min_sparse_context``."""
     cost_calibration: bool = True
     """With the cost model: time sampling, exact attention and an index build on synthetic inputs

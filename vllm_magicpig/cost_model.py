@@ -33,7 +33,11 @@ A prompt that pays soon is built soon; one whose answers end first never costs i
 waiting never costs more than the build itself (at most 2x the best choice made in hindsight).
 Decodes of other requests over the same prompt (a prefix-cache hit) add to the same account, so
 a document many questions are asked about is indexed once they have paid for it. The build's
-cost per token and layer is measured from this worker's own builds; until one is measured, and
+cost per token and layer is measured from this worker's own builds. A build pays back only over the
+decodes after it, so where the request's remaining decodes are bounded (its ``max_tokens``, from
+vLLM's runner: ``answer_bounds.py``) and could not save the build's cost, it is not built even once
+the account has paid (stats: ``index_cannot_pay``; the account stays for the prompt's next
+requests, which the planner then judges by the account alone). Until a build is measured, and
 until the decode costs are, a new prompt is built at once, as without this rule. So is a prompt
 whose context lies in no power-of-2 range (4K-8K, 8K-16K, ...) that sampling was timed in: the
 fit's sampled cost there is extrapolated, and only a build lets it be measured (a deferred prompt
@@ -240,12 +244,26 @@ class DecodeCostModel:
         p = self.predicted(context)
         return p is None or p[1] <= p[0] or self._explore
 
-    def index_pays(self, cid: int, context: int) -> bool:
+    def build_can_pay(self, context: int, remaining: int) -> bool:
+        """Whether sampling ``remaining`` more decodes of a ``context``-key request would save what
+        building its prompt's index costs (seconds per layer both; True while either is unmeasured).
+        ``remaining`` is a bound (the request's ``max_tokens`` less what it decoded): a build that
+        cannot pay back within it only slows the request down."""
+        p = self.predicted(context)
+        with self._lock:
+            per_token = self.build.per_token()
+        if p is None or per_token is None:
+            return True
+        return remaining * max(p[0] - p[1], 0.0) >= per_token * context
+
+    def index_pays(self, cid: int, context: int, remaining: int | None = None) -> bool:
         """Build prompt ``cid``'s index now? Called once per step for a decode over a prompt that
         has no index (module docs): adds what sampling this decode would have saved, and says
-        whether the prompt's decodes have saved the build's cost by now. True while the decode or
-        the build costs are unmeasured, and for one prompt per ``reexplore_steps`` steps in a
-        power-of-2 range of contexts sampling was not timed in."""
+        whether the prompt's decodes have saved the build's cost by now and, given the decodes
+        the request may still take (``remaining``, None: unbounded), whether the build can still pay
+        back (:meth:`build_can_pay`; if not, the account is kept for the prompt's later requests).
+        True while the decode or the build costs are unmeasured, and for one prompt per
+        ``reexplore_steps`` steps in a power-of-2 range of contexts sampling was not timed in."""
         p = self.predicted(context)
         octave = _octave(context)
         with self._lock:
@@ -260,7 +278,8 @@ class DecodeCostModel:
         if p is None or per_token is None:
             return True
         saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
-        if saved >= per_token * context:
+        build = per_token * context
+        if saved >= build and (remaining is None or remaining * max(p[0] - p[1], 0.0) >= build):
             return True  # forgotten: built now
         self._saved[cid] = saved
         while len(self._saved) > MAX_ACCOUNTS:

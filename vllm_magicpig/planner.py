@@ -21,6 +21,7 @@ from vllm_magicpig.index import CentreSpec, IndexStore, SegmentKey, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
 from vllm_magicpig.stats import (
     EXACT_EVICTED,
+    EXACT_INDEX_CANNOT_PAY,
     EXACT_INDEX_DEFERRED,
     EXACT_INDEXING,
     EXACT_METHOD,
@@ -192,6 +193,9 @@ class StepPlanner:
         # last block written by a prefill chunk -> sequence length after it; a decode
         # right after it is that request's first decode (vLLM gives no request ids).
         self._prefill_ends: OrderedDict[int, int] = OrderedDict()
+        # centre id -> requests whose first decode was over it (up to 2: a prompt asked again may
+        # be asked more, so its build is judged by ski rental alone, not by one answer's bound)
+        self._requests_over: OrderedDict[int, int] = OrderedDict()
 
     def observe_step(self, cam, num_decodes: int) -> None:
         """Every step: KV writes invalidate the index; remember where prefills ended."""
@@ -222,7 +226,11 @@ class StepPlanner:
             while len(self._prefill_ends) > 4096:
                 self._prefill_ends.popitem(last=False)
 
-    def plan(self, cam, num_decodes: int, settings: StepSettings) -> DecodePlan:
+    def plan(self, cam, num_decodes: int, settings: StepSettings,
+             answer_bounds: list[int | None] | None = None) -> DecodePlan:
+        """The step's decode plan. ``answer_bounds``: the decodes each request (by row) may still take,
+        from its ``max_tokens`` (answer_bounds.py); a new prompt whose build could not pay back within
+        its request's bound is not built (``index_cannot_pay``)."""
         cfg, bs = self.cfg, self.block_size
         seq_lens = [int(x) for x in cam.seq_lens[:num_decodes].tolist()]
         block_table = cam.block_table_tensor[:num_decodes]
@@ -246,7 +254,10 @@ class StepPlanner:
                 plan.exact_reason[r] = EXACT_SAMPLING_SLOWER
                 continue
             row = block_table[r, : (s + bs - 1) // bs].tolist()
-            spec = self._centre_for(row, s)
+            first_decode = self._take_first_decode(row, s)
+            spec = self._centre_for(row, s, first_decode)
+            if spec is not None and first_decode:
+                self._count_request(spec.cid)
             if spec is None:
                 plan.exact_reason[r] = EXACT_SHORT_CONTEXT
                 continue
@@ -258,9 +269,14 @@ class StepPlanner:
                 if covered_end <= cfg.sink_tokens:
                     plan.exact_reason[r] = EXACT_NOT_MIRRORED
                     continue
-            if self.cost is not None and not self._indexed(spec.cid) and not self.cost.index_pays(spec.cid, s):
-                plan.exact_reason[r] = EXACT_INDEX_DEFERRED
-                continue
+            if self.cost is not None and not self._indexed(spec.cid):
+                # one request's bound decides only while it is the prompt's only request so far
+                alone = self._requests_over.get(spec.cid, 0) < 2
+                bound = answer_bounds[r] if answer_bounds is not None and alone else None
+                if not self.cost.index_pays(spec.cid, s, bound):
+                    can_pay = bound is None or self.cost.build_can_pay(s, bound)
+                    plan.exact_reason[r] = EXACT_INDEX_DEFERRED if can_pay else EXACT_INDEX_CANNOT_PAY
+                    continue
             refs = []
             for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):
                 blocks = tuple(row[start // bs : (start + size) // bs])
@@ -311,11 +327,20 @@ class StepPlanner:
         """Whether prompt ``cid`` has an index, or one is being built (so no build decision is due)."""
         return self.index.holds_centre_segments(cid) or (self.indexer is not None and self.indexer.tracks(cid))
 
-    def _centre_for(self, row: list[int], s: int) -> CentreSpec | None:
+    def _take_first_decode(self, row: list[int], s: int) -> bool:
+        """Whether this decode is its request's first (a prefill chunk ended just before it)."""
+        first = s >= 2 and self._prefill_ends.get(row[(s - 2) // self.block_size]) == s - 1
+        if first:
+            self._prefill_ends.pop(row[(s - 2) // self.block_size], None)
+        return first
+
+    def _count_request(self, cid: int) -> None:
+        self._requests_over[cid] = min(self._requests_over.pop(cid, 0) + 1, 2)
+        while len(self._requests_over) > 4096:
+            self._requests_over.popitem(last=False)
+
+    def _centre_for(self, row: list[int], s: int, first_decode: bool) -> CentreSpec | None:
         cfg, bs, index = self.cfg, self.block_size, self.index
-        first_decode = s >= 2 and self._prefill_ends.get(row[(s - 2) // bs]) == s - 1
-        if first_decode:
-            self._prefill_ends.pop(row[(s - 2) // bs], None)
         found = index.find_centre(row)
         if found is not None and not first_decode:
             return found

@@ -18,6 +18,9 @@
    (``cpu_seeded_sampling``): the worker's runner class is patched when the worker wrapper
    initialises its device, after vLLM imported it (plugins load inside ``init_worker``, too
    early to wrap it), whatever the attention backend.
+7. The same way, the runner publishes each step's answer bounds (the tokens each request may
+   still decode, ``answer_bounds``) on the worker's MAGICPIG runtime before it builds the
+   step's attention metadata; without a MAGICPIG runtime it publishes nothing.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def install() -> None:
         _patch_cpu_platform()
         _patch_other_platform()
         _patch_worker_rpc()
-        _patch_cpu_seeded_sampling()
+        _patch_runners()
 
 
 def _register_enum_member() -> None:
@@ -169,25 +172,28 @@ def _patch_worker_rpc() -> None:
             setattr(WorkerWrapperBase, name, _worker_method(fn))
 
 
-def _patch_cpu_seeded_sampling() -> None:
+def _patch_runners() -> None:
     import sys
 
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from vllm_magicpig import cpu_seeded_sampling
+    from vllm_magicpig import answer_bounds, cpu_seeded_sampling
 
-    def patch_loaded_runner() -> None:
+    def patch_loaded_runners() -> None:
         module = sys.modules.get(cpu_seeded_sampling.RUNNER_MODULE)
         if module is not None:
             cpu_seeded_sampling.patch(module.CPUModelRunner)
+        module = sys.modules.get(answer_bounds.RUNNER_MODULE)
+        if module is not None:
+            answer_bounds.patch(module.GPUModelRunner)
 
-    patch_loaded_runner()  # a process that imported the runner before loading plugins
+    patch_loaded_runners()  # a process that imported the runners before loading plugins
     init_device = WorkerWrapperBase.init_device
     if getattr(init_device, _MARK, False):
         return
 
     def wrapped_init_device(self, *args, **kwargs):
-        patch_loaded_runner()  # init_worker has imported the platform's worker and its runner
+        patch_loaded_runners()  # init_worker has imported the platform's worker and its runner
         return init_device(self, *args, **kwargs)
 
     setattr(wrapped_init_device, _MARK, True)

@@ -86,6 +86,9 @@ class MagicPigRuntime:
         # step_settings. Empty unless an extension attaches one while it changes the settings (the
         # evaluation harness's override), so a production step pays nothing for them.
         self.settings_hooks: list[Callable] = []
+        # what each request of the step being built may still decode (answer_bounds.py: the runner
+        # publishes it, the metadata builder takes it); None when no runner published one
+        self.answer_bounds: list[int | None] | None = None
         # A new prompt's index built on a background thread (its first decodes served exactly)
         self.indexer = BackgroundIndexer(
             self.index, self.ops, self.stats, self.cap_bytes, build_segment_from_cache, self.projection,

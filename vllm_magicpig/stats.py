@@ -26,8 +26,10 @@ EXACT_SAMPLING_SLOWER = "sampling_slower"
 EXACT_INDEXING = "indexing"
 # a new prompt's index waits until its exact decodes would have saved its build's cost (cost_model.py)
 EXACT_INDEX_DEFERRED = "index_deferred"
+# ... and would not have paid back before the request's max_tokens end it (answer_bounds.py)
+EXACT_INDEX_CANNOT_PAY = "index_cannot_pay"
 EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
-                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING, EXACT_INDEX_DEFERRED)
+                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING, EXACT_INDEX_DEFERRED, EXACT_INDEX_CANNOT_PAY)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 

@@ -1,0 +1,65 @@
+"""How many tokens each request of a step may still decode, read from vLLM's model runner.
+
+Why: the cost model defers a new prompt's index until its exact decodes would have saved what the
+build costs (ski rental, ``cost_model.py``), then builds it. A build pays back only over the decodes
+after it; when a request's answer ends sooner, the build was for nothing, and the request ran slower
+than exact. Ski rental cannot know when an answer ends, but vLLM does know a bound: the request's
+``max_tokens``. Under a load of 512-token answers (``benchmarks/load_split.py``: exact 452 and
+sampled 313 us a request and layer at 4K, builds 7-10 ms per 1K tokens and layer) a 4K prompt's
+build pays back after ~200-300 sampled decodes, so ski rental builds it after as many exact ones,
+and at 10 ms per 1K tokens the ~220 decodes left save ~30 ms a layer of a ~41 ms build. With the
+bound the planner serves such a request exactly to its end (stats: ``index_cannot_pay``).
+
+The attention metadata carries no request ids, so the bound is read where the runner builds that
+metadata (``GPUModelRunner._build_attention_metadata``, which vLLM's CPU runner inherits): one
+number per batch row, in the batch's order, published on the worker's runtime and taken by the
+MAGICPIG metadata builder of the same step. A bound is ``max_tokens`` less the tokens already
+decoded, or None where the request has no ``max_tokens``. vLLM fills in ``max_tokens`` when a client
+leaves it out (the model length less the prompt), which is a bound too, just a loose one: it
+changes nothing then.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_MARK = "_magicpig_answer_bounds"
+
+
+def bounds_of(runner: Any, num_reqs: int) -> list[int | None] | None:
+    """The decodes each of the batch's first ``num_reqs`` rows may still take (None: no bound), or
+    None when the runner's batch does not name that many requests (a dummy or profiling run)."""
+    req_ids = runner.input_batch.req_ids
+    if len(req_ids) < num_reqs:
+        return None
+    out: list[int | None] = []
+    for req_id in req_ids[:num_reqs]:
+        state = runner.requests.get(req_id)
+        params = None if state is None else state.sampling_params
+        max_tokens = None if params is None else params.max_tokens
+        out.append(None if max_tokens is None else max(int(max_tokens) - len(state.output_token_ids), 0))
+    return out
+
+
+def publish(runner: Any, num_reqs: int) -> None:
+    """Put this step's bounds on the worker's MAGICPIG runtime, if it has one."""
+    from vllm_magicpig import runtime
+
+    rt = runtime.current()
+    if rt is not None:
+        rt.answer_bounds = bounds_of(runner, num_reqs)
+
+
+def patch(runner_cls) -> None:
+    """Make ``runner_cls`` (vLLM's GPUModelRunner, the CPU runner's base) publish the bounds before it
+    builds a step's attention metadata. Idempotent."""
+    build = runner_cls._build_attention_metadata
+    if getattr(build, _MARK, False):
+        return
+
+    def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
+        publish(self, num_reqs)
+        return build(self, num_tokens, num_reqs, *args, **kwargs)
+
+    setattr(_build_attention_metadata, _MARK, True)
+    runner_cls._build_attention_metadata = _build_attention_metadata
