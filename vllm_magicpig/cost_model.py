@@ -71,6 +71,11 @@ def _octave(context: float) -> int:
     return int(math.log2(max(context, 1.0)))
 
 
+def _pays_back(predicted: tuple[float, float], build: float, decodes: int) -> bool:
+    """Whether ``decodes`` sampled instead of exact (``predicted``: seconds a layer each) save ``build``."""
+    return decodes * max(predicted[0] - predicted[1], 0.0) >= build
+
+
 class LinearCost:
     """``seconds = a * requests + b * keys``, fitted with exponential forgetting per engine step.
 
@@ -254,7 +259,7 @@ class DecodeCostModel:
             per_token = self.build.per_token()
         if p is None or per_token is None:
             return True
-        return remaining * max(p[0] - p[1], 0.0) >= per_token * context
+        return _pays_back(p, per_token * context, remaining)
 
     def index_pays(self, cid: int, context: int, remaining: int | None = None) -> bool:
         """Build prompt ``cid``'s index now? Called once per step for a decode over a prompt that
@@ -279,7 +284,7 @@ class DecodeCostModel:
             return True
         saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
         build = per_token * context
-        if saved >= build and (remaining is None or remaining * max(p[0] - p[1], 0.0) >= build):
+        if saved >= build and (remaining is None or _pays_back(p, build, remaining)):
             return True  # forgotten: built now
         self._saved[cid] = saved
         while len(self._saved) > MAX_ACCOUNTS:
