@@ -21,8 +21,8 @@ def fake_runner(reqs):
 
 def test_a_rows_bound_is_its_max_tokens_less_what_it_decoded():
     runner = fake_runner([("a", 512, 100, True), ("b", None, 3, True), ("c", 64, 80, True), ("d", 10, 0, False)])
-    assert answer_bounds.bounds_of(runner, 4) == [412, None, 0, None]
-    assert answer_bounds.bounds_of(runner, 2) == [412, None]  # the step's first rows only
+    assert list(answer_bounds.bounds_of(runner, 4)) == [412, None, 0, None]
+    assert list(answer_bounds.bounds_of(runner, 2)) == [412, None]  # the step's first rows only
     assert answer_bounds.bounds_of(runner, 5) is None  # more rows than requests: a dummy run, no bounds
 
 
@@ -34,7 +34,8 @@ class Runner:
 
     def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
         rt = runtime.current()
-        self.seen.append((num_tokens, num_reqs, args, kwargs, None if rt is None else rt.answer_bounds))
+        bounds = None if rt is None or rt.answer_bounds is None else list(rt.answer_bounds)
+        self.seen.append((num_tokens, num_reqs, args, kwargs, bounds))
         return "metadata"
 
 

@@ -12,11 +12,11 @@ bound the planner serves such a request exactly to its end (stats: ``index_canno
 
 The attention metadata carries no request ids, so the bound is read where the runner builds that
 metadata (``GPUModelRunner._build_attention_metadata``, which vLLM's CPU runner inherits): one
-number per batch row, in the batch's order, published on the worker's runtime and taken by the
-MAGICPIG metadata builder of the same step. A bound is ``max_tokens`` less the tokens already
-decoded, or None where the request has no ``max_tokens``. vLLM fills in ``max_tokens`` when a client
-leaves it out (the model length less the prompt), which is a bound too, just a loose one: it
-changes nothing then.
+number per batch row, in the batch's order, published on the worker's runtime (read from the runner
+row by row, on demand) and taken by the MAGICPIG metadata builder of the same step. A bound is
+``max_tokens`` less the tokens already decoded, or None where the request has no ``max_tokens``.
+vLLM fills in ``max_tokens`` when a client leaves it out (the model length less the prompt), which
+is a bound too, just a loose one: it changes nothing then.
 """
 from __future__ import annotations
 
@@ -26,19 +26,36 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _MARK = "_magicpig_answer_bounds"
 
 
-def bounds_of(runner: Any, num_reqs: int) -> list[int | None] | None:
-    """The decodes each of the batch's first ``num_reqs`` rows may still take (None: no bound), or
-    None when the runner's batch does not name that many requests (a dummy or profiling run)."""
-    req_ids = runner.input_batch.req_ids
-    if len(req_ids) < num_reqs:
-        return None
-    out: list[int | None] = []
-    for req_id in req_ids[:num_reqs]:
-        state = runner.requests.get(req_id)
+class RowBounds:
+    """The bounds of a step's first ``num_reqs`` rows, each read from the runner when the planner
+    asks for it: only a decode over a prompt not yet indexed needs one, so most steps read none,
+    where reading every row at every step cost a Python loop over the batch. Valid while the runner
+    builds this step's metadata (the builder takes it then)."""
+
+    __slots__ = ("_runner", "_num_reqs")
+
+    def __init__(self, runner: Any, num_reqs: int) -> None:
+        self._runner, self._num_reqs = runner, num_reqs
+
+    def __len__(self) -> int:
+        return self._num_reqs
+
+    def __getitem__(self, row: int) -> int | None:
+        """The decodes row ``row``'s request may still take (None: no bound)."""
+        if not 0 <= row < self._num_reqs:
+            raise IndexError(row)
+        state = self._runner.requests.get(self._runner.input_batch.req_ids[row])
         params = None if state is None else state.sampling_params
         max_tokens = None if params is None else params.max_tokens
-        out.append(None if max_tokens is None else max(int(max_tokens) - len(state.output_token_ids), 0))
-    return out
+        return None if max_tokens is None else max(int(max_tokens) - len(state.output_token_ids), 0)
+
+
+def bounds_of(runner: Any, num_reqs: int) -> RowBounds | None:
+    """The bounds of the batch's first ``num_reqs`` rows, or None when the runner's batch does not
+    name that many requests (a dummy or profiling run)."""
+    if len(runner.input_batch.req_ids) < num_reqs:
+        return None
+    return RowBounds(runner, num_reqs)
 
 
 def publish(runner: Any, num_reqs: int) -> None:

@@ -63,6 +63,8 @@ import math
 import threading
 from collections import OrderedDict
 
+from vllm_magicpig.stats import EXACT_INDEX_CANNOT_PAY, EXACT_INDEX_DEFERRED
+
 KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
 MAX_ACCOUNTS = 1 << 15  # deferred prompts whose savings are remembered (least recent forgotten)
 
@@ -262,12 +264,17 @@ class DecodeCostModel:
         return _pays_back(p, per_token * context, remaining)
 
     def index_pays(self, cid: int, context: int, remaining: int | None = None) -> bool:
-        """Build prompt ``cid``'s index now? Called once per step for a decode over a prompt that
-        has no index (module docs): adds what sampling this decode would have saved, and says
-        whether the prompt's decodes have saved the build's cost by now and, given the decodes
-        the request may still take (``remaining``, None: unbounded), whether the build can still pay
-        back (:meth:`build_can_pay`; if not, the account is kept for the prompt's later requests).
-        True while the decode or the build costs are unmeasured, and for one prompt per
+        """Build prompt ``cid``'s index now? :meth:`index_decision` is None."""
+        return self.index_decision(cid, context, remaining) is None
+
+    def index_decision(self, cid: int, context: int, remaining: int | None = None) -> str | None:
+        """Whether to build prompt ``cid``'s index now (None), or why not (``index_deferred``,
+        ``index_cannot_pay``). Called once per step for a decode over a prompt that has no index
+        (module docs): adds what sampling this decode would have saved, and builds once the
+        prompt's decodes have saved the build's cost and, given the decodes the request may still
+        take (``remaining``, None: unbounded), the build can still pay back (:meth:`build_can_pay`;
+        if not, ``index_cannot_pay``, the account kept for the prompt's later requests). Builds
+        while the decode or the build costs are unmeasured, and for one prompt per
         ``reexplore_steps`` steps in a power-of-2 range of contexts sampling was not timed in."""
         p = self.predicted(context)
         octave = _octave(context)
@@ -279,17 +286,18 @@ class DecodeCostModel:
                 if granted is None or self._steps_planned - granted >= self.reexplore_steps:
                     self._explored[octave] = self._steps_planned
                     self._saved.pop(cid, None)
-                    return True  # this build explores the range
+                    return None  # this build explores the range
         if p is None or per_token is None:
-            return True
+            return None
         saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
         build = per_token * context
-        if saved >= build and (remaining is None or _pays_back(p, build, remaining)):
-            return True  # forgotten: built now
+        can_pay = remaining is None or _pays_back(p, build, remaining)
+        if saved >= build and can_pay:
+            return None  # forgotten: built now
         self._saved[cid] = saved
         while len(self._saved) > MAX_ACCOUNTS:
             self._saved.popitem(last=False)
-        return False
+        return EXACT_INDEX_DEFERRED if can_pay else EXACT_INDEX_CANNOT_PAY
 
     def forget_prompts(self) -> None:
         """The index was cleared: the deferred prompts' centres are gone (measured costs stay)."""

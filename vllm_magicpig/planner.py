@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -21,8 +21,6 @@ from vllm_magicpig.index import CentreSpec, IndexStore, SegmentKey, SegmentRef
 from vllm_magicpig.limits import MAX_SEGMENT_TOKENS
 from vllm_magicpig.stats import (
     EXACT_EVICTED,
-    EXACT_INDEX_CANNOT_PAY,
-    EXACT_INDEX_DEFERRED,
     EXACT_INDEXING,
     EXACT_METHOD,
     EXACT_NOT_MIRRORED,
@@ -227,7 +225,7 @@ class StepPlanner:
                 self._prefill_ends.popitem(last=False)
 
     def plan(self, cam, num_decodes: int, settings: StepSettings,
-             answer_bounds: list[int | None] | None = None) -> DecodePlan:
+             answer_bounds: Sequence[int | None] | None = None) -> DecodePlan:
         """The step's decode plan. ``answer_bounds``: the decodes each request (by row) may still take,
         from its ``max_tokens`` (answer_bounds.py); a new prompt whose build could not pay back within
         its request's bound is not built (``index_cannot_pay``)."""
@@ -273,9 +271,9 @@ class StepPlanner:
                 # one request's bound decides only while it is the prompt's only request so far
                 alone = self._requests_over.get(spec.cid, 0) < 2
                 bound = answer_bounds[r] if answer_bounds is not None and alone else None
-                if not self.cost.index_pays(spec.cid, s, bound):
-                    can_pay = bound is None or self.cost.build_can_pay(s, bound)
-                    plan.exact_reason[r] = EXACT_INDEX_DEFERRED if can_pay else EXACT_INDEX_CANNOT_PAY
+                why_not = self.cost.index_decision(spec.cid, s, bound)
+                if why_not is not None:
+                    plan.exact_reason[r] = why_not
                     continue
             refs = []
             for start, size in segment_layout(covered_end, self.unit, self.largest, prompt_end):

@@ -8,7 +8,7 @@ with :func:`current`. Tests create a fresh one per case.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -88,7 +88,7 @@ class MagicPigRuntime:
         self.settings_hooks: list[Callable] = []
         # what each request of the step being built may still decode (answer_bounds.py: the runner
         # publishes it, the metadata builder takes it); None when no runner published one
-        self.answer_bounds: list[int | None] | None = None
+        self.answer_bounds: Sequence[int | None] | None = None
         # A new prompt's index built on a background thread (its first decodes served exactly)
         self.indexer = BackgroundIndexer(
             self.index, self.ops, self.stats, self.cap_bytes, build_segment_from_cache, self.projection,
