@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from vllm_magicpig import answer_bounds, runtime
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.runtime import MagicPigRuntime
@@ -38,6 +40,12 @@ class Runner:
         self.seen.append((num_tokens, num_reqs, args, kwargs, bounds))
         return "metadata"
 
+    def _on_request_state_removed(self, req_id, req_state):  # vLLM's hook: a no-op there
+        self.seen.append(("removed", req_id))
+
+    def finish(self, req_id):  # as vLLM's _update_states does for a finished request
+        self._on_request_state_removed(req_id, self.requests.pop(req_id, None))
+
 
 def test_the_patched_runner_publishes_before_it_builds_and_only_once():
     answer_bounds.patch(Runner)
@@ -52,5 +60,34 @@ def test_the_patched_runner_publishes_before_it_builds_and_only_once():
         assert runner.seen == [(7, 2, ("x",), {"pad": 1}, [32, 0])]  # published before the build ran
         runtime.install(None)  # no MAGICPIG runtime in this worker: nothing published, nothing fails
         assert runner._build_attention_metadata(7, 2) == "metadata" and runner.seen[-1][-1] is None
+    finally:
+        runtime.install(None)
+
+
+def test_the_patched_runner_records_each_finished_answer_and_rows_get_an_outlook():
+    """Finished requests' answers (tokens generated of max_tokens) go to the runtime's answer_lengths
+    through vLLM's hook, whose own body still runs; a row's outlook adds the requests running now,
+    censored at what they have generated."""
+    answer_bounds.patch(Runner)
+    rt = MagicPigRuntime(MagicPigConfig(), num_layers=4)
+    rt.answer_lengths.min_answers = 3
+    runtime.install(rt)
+    try:
+        runner = Runner([("a", 512, 512, True), ("f", 512, 10, True), ("b", 512, 500, True), ("c", 512, 40, True),
+                         ("d", 512, 1, True), ("e", 64, 3, False)])
+        for req_id in ("a", "f", "e", "zz"):  # "e" has no sampling params; "zz" vLLM no longer holds (None)
+            runner.finish(req_id)
+        assert runner.seen == [("removed", r) for r in ("a", "f", "e", "zz")]  # vLLM's own hook still ran
+        assert rt.answer_lengths.snapshot() == {"answers_recorded": 2, "answer_groups": {512: 2}}
+        runner.input_batch.req_ids = ["b", "c", "d"]
+        rows = answer_bounds.bounds_of(runner, 3, rt.answer_lengths)
+        assert list(rows) == [12, 472, 511]
+        # row 2 ("d", 1 of 512): "f" ended at 10 with 4 at risk (S = 3/4), "c" (40) and "b" (500) run on,
+        # censored, and "a" ended at 512, the last: the curve's end
+        outlook = rows.outlook(2)
+        assert outlook.survives(5) == 1.0 and outlook.survives(30) == 0.75 and outlook.survives(511) == 0.0
+        assert outlook.expected() == pytest.approx(9 + 502 * 0.75)
+        assert rows.outlook(0) is None  # past 500 of 512 only "a" is known: too few
+        assert answer_bounds.bounds_of(runner, 3).outlook(2) is None  # no answer lengths given: none
     finally:
         runtime.install(None)

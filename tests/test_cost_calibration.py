@@ -186,3 +186,42 @@ def test_a_calibration_that_fails_leaves_the_worker_serving(vllm_env, monkeypatc
     assert h.runtime.cost.predicted(3000) is None  # learns from the requests served, as before
     h.step()
     assert h.stats()["decode_sparse"] == 1  # built at once to time it, as an uncalibrated worker does
+
+
+@pytest.mark.e2e
+def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model_path):
+    """A real engine, cost model on: four 3000-token questions answered to their max_tokens (400), one
+    after another, wait ski-rental style before their prompts are built; their answers are then what
+    the worker knows of such requests (answer_lengths.py, recorded through vLLM's runner), so a fifth
+    question asking as much has its prompt built at its first decode: none of its decodes waits
+    (``index_deferred``), most are sampled (a silent fallback to exact attention fails this), and the
+    cost model counts the build.
+
+    Builds at the first decode, not on the background thread: a build beside the decodes measured
+    ~2.4x the CPU time of one alone (13.4 against 5.6 ms per 1K tokens and layer), and at that cost
+    whether 400 decodes can pay a 3000-token build back is a coin toss from run to run; this test is
+    about the decision, which is the same code either way."""
+    from vllm import SamplingParams
+
+    from tests.conftest import make_llm, stats
+    from vllm_magicpig import passkey
+
+    llm = make_llm(model_path, magicpig={"background_index": False, "cost_model": True})
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    for i in range(4):
+        llm.generate([passkey.build(tok, 3000, seed=20 + i, depth=0.5).text], params, use_tqdm=False)
+    before = stats(llm)
+    llm.generate([passkey.build(tok, 3000, seed=30, depth=0.5).text], params, use_tqdm=False)
+    after = stats(llm)
+    del llm
+    assert before["answers_recorded"] == 4 and before["answer_groups"] == {256: 4}, before
+    waited = before["decode_exact"].get("index_deferred", 0)
+    assert waited > 0 and before["cost_model"]["built_on_outlook"] == 0, before
+    assert after["cost_model"]["built_on_outlook"] == 1, (after["cost_model"], after["decode_exact"])
+    new_exact = {k: v - before["decode_exact"].get(k, 0) for k, v in after["decode_exact"].items()}
+    new_exact = {k: v for k, v in new_exact.items() if v}
+    # served exactly only where sampling measured slower (the cost model's own call, step by step), never
+    # waiting for the build; most of its decodes sampled
+    assert set(new_exact) <= {"dense_layer", "sampling_slower"} and new_exact["dense_layer"] == 399 * 2, new_exact
+    assert after["decode_sparse"] - before["decode_sparse"] > 399 * 28 // 2, new_exact

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from vllm_magicpig.answer_lengths import AnswerLengths
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.cost_model import DecodeCostModel, LinearCost
 from vllm_magicpig.index import IndexStore
@@ -463,3 +464,103 @@ def test_a_runtimes_stats_line_carries_its_cost_model():
         rt.cost.observe_exact(1, 4096, cost(EXACT, 1, 4096))
         rt.cost.observe_sparse(1, 4096, cost(SPARSE, 1, 4096))
     assert "cost_model[4K exact/sampled us " in rt.stats.summary_line()
+
+
+def outlook_of(generated_answers, max_tokens=512, generated=1, running=()):
+    """The outlook of a request ``generated`` tokens into an answer of at most ``max_tokens``, after
+    answers of these lengths (each of ``max_tokens``) finished."""
+    lengths = AnswerLengths(min_answers=1)
+    for g in generated_answers:
+        lengths.record(g, max_tokens)
+    return lengths.outlook(generated, max_tokens, running)
+
+
+def test_a_request_whose_answers_run_long_is_built_at_its_first_decode():
+    """Where answers like this request's have run to their max_tokens, waiting for ski rental only
+    serves exactly the decodes the build would have sampled: the prompt is built at once, and the
+    model counts it. Where they ended early, it waits as before."""
+    context = 8192
+    exact, sparse = measured().predicted(context)
+    decodes_to_pay = BUILD_PER_TOKEN * context / (exact - sparse)
+    assert 50 < decodes_to_pay < 200
+    m = measured()
+    assert m.index_decision(1, context, 511, outlook_of([512] * 4)) is None
+    assert m.snapshot()["built_on_outlook"] == 1 and m.snapshot()["deferred_prompts"] == 0
+    m = measured()
+    assert m.index_decision(1, context, 511, outlook_of([20] * 4, generated=1)) == "index_deferred"
+    assert m.index_decision(1, context, 511) == "index_deferred"  # no outlook: ski rental, as before
+    assert m.snapshot()["built_on_outlook"] == 0
+    # answers that outlast ski rental's wait but end before a build now could pay back: not built on
+    # them (neither policy's build pays; ski rental's account decides as before)
+    m, half = measured(), int(decodes_to_pay / 2)
+    for _ in range(half - 1):
+        m.index_decision(1, context, 10 ** 6)
+    ends = [half + int(0.75 * decodes_to_pay)] * 4  # tokens generated when each answer ended
+    assert m.index_decision(1, context, 10 ** 6, outlook_of(ends, generated=half)) == "index_deferred"
+    # a bound that cannot pay back wins over any outlook
+    assert measured().index_decision(1, context, int(decodes_to_pay) - 1, outlook_of([512] * 4)) == "index_cannot_pay"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_building_on_the_outlook_is_the_cheaper_policy_over_the_answers_seen(seed):
+    """The rule against a float64 reference: over the finished answers (each equally likely), the
+    expected cost of building now against ski rental's (exact decodes until the account has saved the
+    build, then the build and sampled decodes) and against never building. It builds now exactly
+    where that is the cheapest (near-ties skipped), also once the account has saved part of the build."""
+    rng = random.Random(seed)
+    context = rng.choice([3000, 8192, 20000])
+    exact, sparse = measured().predicted(context)
+    build = BUILD_PER_TOKEN * context
+    short = rng.uniform(0.0, 0.95)  # the share of answers that end within 60 tokens
+    answers = [rng.randint(2, 60) if rng.random() < short else rng.choice([512, rng.randint(2, 512)])
+               for _ in range(rng.randint(4, 40))]
+    checked = 0
+    for waited in (0, 3, 17, 60):
+        generated = 1 + waited
+        left = [a - generated for a in answers if a > generated]
+        if len(left) < 1:
+            continue
+        m = measured()
+        for _ in range(waited):  # the account this request's exact decodes have filled so far
+            m.index_decision(1, context, 10 ** 6)
+        saved = (waited + 1) * (exact - sparse)  # with this decode's, as the model counts it when it decides
+        if saved >= build:
+            continue
+        k = (build - saved) / (exact - sparse)  # decodes until ski rental builds
+        now = sum(build + sparse * r for r in left) / len(left)
+        ski = sum(exact * k + build + sparse * (r - k) if r > k else exact * r for r in left) / len(left)
+        never = sum(exact * r for r in left) / len(left)
+        best_other = min(ski, never)
+        if abs(now - best_other) < 0.02 * best_other:
+            continue
+        decision = m.index_decision(1, context, 10 ** 6, outlook_of(answers, generated=generated))
+        assert (decision is None) == (now < best_other), (seed, waited, now, ski, never)
+        checked += 1
+    assert checked  # every seed checks at least one case
+
+
+class OutlookBounds(list):
+    """A step's bounds as answer_bounds.RowBounds gives them, with each row's outlook."""
+
+    def __init__(self, bounds, outlooks):
+        super().__init__(bounds)
+        self.outlooks, self.asked = outlooks, []
+
+    def outlook(self, row):
+        self.asked.append(row)
+        return self.outlooks[row]
+
+
+def test_planner_builds_a_prompt_at_once_on_its_requests_outlook():
+    """The planner hands a decode's outlook to the cost model with its bound: a request whose answers
+    run long is sampled from its first decode (its prompt built then), another waits; a row without a
+    bound is not asked for one."""
+    cfg = MagicPigConfig(min_sparse_context=256, local_window=32, segment_tokens=64)
+    m = measured()
+    planner = StepPlanner(cfg, 16, IndexStore(Stats(), cfg.segment_tokens), cost=m)
+    seq = torch.tensor([8192, 8192, 8192], dtype=torch.int32)
+    table = torch.arange(1560, dtype=torch.int32).view(3, 520)
+    bounds = OutlookBounds([511, 511, None], [outlook_of([512] * 4), outlook_of([20] * 4), outlook_of([512] * 4)])
+    plan = planner.plan(FakeCam(seq, table), 3, StepSettings.from_config(cfg), bounds)
+    assert plan.sparse == [0] and plan.exact_reason == {1: "index_deferred", 2: "index_deferred"}, plan.exact_reason
+    assert bounds.asked == [0, 1] and m.snapshot()["built_on_outlook"] == 1

@@ -17,10 +17,18 @@ row by row, on demand) and taken by the MAGICPIG metadata builder of the same st
 ``max_tokens`` less the tokens already decoded, or None where the request has no ``max_tokens``.
 vLLM fills in ``max_tokens`` when a client leaves it out (the model length less the prompt), which
 is a bound too, just a loose one: it changes nothing then.
+
+The same patch records every finished request's answer (tokens generated of its ``max_tokens``,
+from ``GPUModelRunner._on_request_state_removed``, vLLM's hook for a finished request's state) on
+the runtime's ``answer_lengths``, and a row's outlook (``RowBounds.outlook``) adds the running
+requests, so the cost model can build a prompt at once where answers like its request's run long
+(``answer_lengths.py``).
 """
 from __future__ import annotations
 
 from typing import Any
+
+from vllm_magicpig.answer_lengths import AnswerLengths, Outlook
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _MARK = "_magicpig_answer_bounds"
@@ -32,30 +40,51 @@ class RowBounds:
     where reading every row at every step cost a Python loop over the batch. Valid while the runner
     builds this step's metadata (the builder takes it then)."""
 
-    __slots__ = ("_runner", "_num_reqs")
+    __slots__ = ("_runner", "_num_reqs", "_lengths", "_running")
 
-    def __init__(self, runner: Any, num_reqs: int) -> None:
-        self._runner, self._num_reqs = runner, num_reqs
+    def __init__(self, runner: Any, num_reqs: int, lengths: AnswerLengths | None = None) -> None:
+        self._runner, self._num_reqs, self._lengths = runner, num_reqs, lengths
+        self._running: list[tuple[int, int | None]] | None = None  # read at the first outlook asked
 
     def __len__(self) -> int:
         return self._num_reqs
 
     def __getitem__(self, row: int) -> int | None:
         """The decodes row ``row``'s request may still take (None: no bound)."""
+        generated, max_tokens = self._progress(row)
+        return None if max_tokens is None else max(max_tokens - generated, 0)
+
+    def outlook(self, row: int) -> Outlook | None:
+        """How row ``row``'s answer will likely go on (answer_lengths.py), from the answers finished
+        and the requests running now; None without a bound or enough answers."""
+        if self._lengths is None:
+            return None
+        generated, max_tokens = self._progress(row)
+        if max_tokens is None:
+            return None
+        if self._running is None:
+            self._running = [_progress_of(state) for state in self._runner.requests.values()]
+        return self._lengths.outlook(generated, max_tokens, self._running)
+
+    def _progress(self, row: int) -> tuple[int, int | None]:
         if not 0 <= row < self._num_reqs:
             raise IndexError(row)
-        state = self._runner.requests.get(self._runner.input_batch.req_ids[row])
-        params = None if state is None else state.sampling_params
-        max_tokens = None if params is None else params.max_tokens
-        return None if max_tokens is None else max(int(max_tokens) - len(state.output_token_ids), 0)
+        return _progress_of(self._runner.requests.get(self._runner.input_batch.req_ids[row]))
 
 
-def bounds_of(runner: Any, num_reqs: int) -> RowBounds | None:
+def _progress_of(state: Any) -> tuple[int, int | None]:
+    """(tokens generated, max_tokens or None) of a runner's request state."""
+    params = None if state is None else state.sampling_params
+    max_tokens = None if params is None else params.max_tokens
+    return (0, None) if max_tokens is None else (len(state.output_token_ids), int(max_tokens))
+
+
+def bounds_of(runner: Any, num_reqs: int, lengths: AnswerLengths | None = None) -> RowBounds | None:
     """The bounds of the batch's first ``num_reqs`` rows, or None when the runner's batch does not
     name that many requests (a dummy or profiling run)."""
     if len(runner.input_batch.req_ids) < num_reqs:
         return None
-    return RowBounds(runner, num_reqs)
+    return RowBounds(runner, num_reqs, lengths)
 
 
 def publish(runner: Any, num_reqs: int) -> None:
@@ -64,15 +93,31 @@ def publish(runner: Any, num_reqs: int) -> None:
 
     rt = runtime.current()
     if rt is not None:
-        rt.answer_bounds = bounds_of(runner, num_reqs)
+        rt.answer_bounds = bounds_of(runner, num_reqs, rt.answer_lengths)
+
+
+def record_finished(state: Any) -> None:
+    """A request finished: its answer's length goes to the worker's MAGICPIG runtime, if it has one."""
+    from vllm_magicpig import runtime
+
+    rt = runtime.current()
+    if rt is not None and state is not None:
+        rt.answer_lengths.record(*_progress_of(state))
 
 
 def patch(runner_cls) -> None:
     """Make ``runner_cls`` (vLLM's GPUModelRunner, the CPU runner's base) publish the bounds before it
-    builds a step's attention metadata. Idempotent."""
+    builds a step's attention metadata, and record each finished request's answer. Idempotent."""
     build = runner_cls._build_attention_metadata
     if getattr(build, _MARK, False):
         return
+    removed = runner_cls._on_request_state_removed
+
+    def _on_request_state_removed(self, req_id, req_state):
+        record_finished(req_state)
+        return removed(self, req_id, req_state)
+
+    runner_cls._on_request_state_removed = _on_request_state_removed
 
     def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
         publish(self, num_reqs)

@@ -37,7 +37,11 @@ cost per token and layer is measured from this worker's own builds. A build pays
 decodes after it, so where the request's remaining decodes are bounded (its ``max_tokens``, from
 vLLM's runner: ``answer_bounds.py``) and could not save the build's cost, it is not built even once
 the account has paid (stats: ``index_cannot_pay``; the account stays for the prompt's next
-requests, which the planner then judges by the account alone). Until a build is measured, and
+requests, which the planner then judges by the account alone). Waiting is the price of not
+knowing how long the answer will run; where the answers this worker has seen say (``answer_lengths.py``:
+how far requests asking as many tokens went, finished or still running), a prompt is built at its
+first decode when that is expected to cost less than waiting (``_builds_now``; the snapshot's
+``built_on_outlook`` counts them). Until a build is measured, and
 until the decode costs are, a new prompt is built at once, as without this rule. So is a prompt
 whose context lies in no power-of-2 range (4K-8K, 8K-16K, ...) that sampling was timed in: the
 fit's sampled cost there is extrapolated, and only a build lets it be measured (a deferred prompt
@@ -63,6 +67,7 @@ import math
 import threading
 from collections import OrderedDict
 
+from vllm_magicpig.answer_lengths import Outlook
 from vllm_magicpig.stats import EXACT_INDEX_CANNOT_PAY, EXACT_INDEX_DEFERRED
 
 KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
@@ -76,6 +81,23 @@ def _octave(context: float) -> int:
 def _pays_back(predicted: tuple[float, float], build: float, decodes: int) -> bool:
     """Whether ``decodes`` sampled instead of exact (``predicted``: seconds a layer each) save ``build``."""
     return decodes * max(predicted[0] - predicted[1], 0.0) >= build
+
+
+def _builds_now(gain: float, build: float, saved: float, outlook: Outlook) -> bool:
+    """Whether building a prompt's index now beats waiting for ski rental to build it, for a request
+    whose answer goes on as ``outlook`` says (``answer_lengths.py``). ``gain``: seconds a layer each
+    sampled decode saves; ``build``: the build's seconds a layer; ``saved``: the account so far.
+
+    Ski rental builds after ``k`` more exact decodes (when the account reaches the build's cost), if
+    the answer lasts that long. Against it, building now gains the samples of those ``k`` decodes
+    (as many as are expected to happen) and risks the build on an answer that ends before them; and
+    it must pay back in expectation at all (else neither should build)."""
+    if gain <= 0:
+        return False
+    k = (build - saved) / gain
+    if gain * outlook.expected() <= build:
+        return False
+    return gain * outlook.expected(0.0, k) > build * (1.0 - outlook.survives(k))
 
 
 class LinearCost:
@@ -187,6 +209,7 @@ class DecodeCostModel:
         # prompt (centre id) whose build waits -> seconds per layer its exact decodes would have saved
         self._saved: OrderedDict[int, float] = OrderedDict()
         self._steps_planned = 0
+        self.built_on_outlook = 0  # prompts built before their account paid, on an answer's outlook
         self._explore = False
         self._lock = threading.Lock()
         self.calibration: dict | None = None  # what start-up calibration measured (None: not run)
@@ -263,11 +286,12 @@ class DecodeCostModel:
             return True
         return _pays_back(p, per_token * context, remaining)
 
-    def index_pays(self, cid: int, context: int, remaining: int | None = None) -> bool:
+    def index_pays(self, cid: int, context: int, remaining: int | None = None, outlook: Outlook | None = None) -> bool:
         """Build prompt ``cid``'s index now? :meth:`index_decision` is None."""
-        return self.index_decision(cid, context, remaining) is None
+        return self.index_decision(cid, context, remaining, outlook) is None
 
-    def index_decision(self, cid: int, context: int, remaining: int | None = None) -> str | None:
+    def index_decision(self, cid: int, context: int, remaining: int | None = None,
+                       outlook: Outlook | None = None) -> str | None:
         """Whether to build prompt ``cid``'s index now (None), or why not (``index_deferred``,
         ``index_cannot_pay``). Called once per step for a decode over a prompt that has no index
         (module docs): adds what sampling this decode would have saved, and builds once the
@@ -275,7 +299,10 @@ class DecodeCostModel:
         take (``remaining``, None: unbounded), the build can still pay back (:meth:`build_can_pay`;
         if not, ``index_cannot_pay``, the account kept for the prompt's later requests). Builds
         while the decode or the build costs are unmeasured, and for one prompt per
-        ``reexplore_steps`` steps in a power-of-2 range of contexts sampling was not timed in."""
+        ``reexplore_steps`` steps in a power-of-2 range of contexts sampling was not timed in.
+        ``outlook``: how the request's answer will likely go on (``answer_lengths.py``; None: unknown);
+        where it says building now beats waiting (:func:`_builds_now`), the prompt is built before
+        its account has paid (counted in ``built_on_outlook``)."""
         p = self.predicted(context)
         octave = _octave(context)
         with self._lock:
@@ -294,6 +321,9 @@ class DecodeCostModel:
         can_pay = remaining is None or _pays_back(p, build, remaining)
         if saved >= build and can_pay:
             return None  # forgotten: built now
+        if can_pay and outlook is not None and _builds_now(p[0] - p[1], build, saved, outlook):
+            self.built_on_outlook += 1
+            return None
         self._saved[cid] = saved
         while len(self._saved) > MAX_ACCOUNTS:
             self._saved.popitem(last=False)
@@ -324,7 +354,8 @@ class DecodeCostModel:
         """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys,
         and a build's seconds per 1K tokens and layer."""
         out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps, "builds": self.build.builds,
-               "deferred_prompts": len(self._saved), "sampled_octaves": sorted(1 << o for o in self._sampled_octaves),
+               "deferred_prompts": len(self._saved), "built_on_outlook": self.built_on_outlook,
+               "sampled_octaves": sorted(1 << o for o in self._sampled_octaves),
                "explored_untimed": sorted(1 << o for o in self._explored if o not in self._sampled_octaves)}
         if self.calibration is not None:
             out["calibration"] = self.calibration

@@ -228,7 +228,8 @@ class StepPlanner:
              answer_bounds: Sequence[int | None] | None = None) -> DecodePlan:
         """The step's decode plan. ``answer_bounds``: the decodes each request (by row) may still take,
         from its ``max_tokens`` (answer_bounds.py); a new prompt whose build could not pay back within
-        its request's bound is not built (``index_cannot_pay``)."""
+        its request's bound is not built (``index_cannot_pay``), and one whose request's answer will
+        likely run long (``answer_bounds.outlook(row)``, where given) may be built at once."""
         cfg, bs = self.cfg, self.block_size
         seq_lens = [int(x) for x in cam.seq_lens[:num_decodes].tolist()]
         block_table = cam.block_table_tensor[:num_decodes]
@@ -271,7 +272,9 @@ class StepPlanner:
                 # one request's bound decides only while it is the prompt's only request so far
                 alone = self._requests_over.get(spec.cid, 0) < 2
                 bound = answer_bounds[r] if answer_bounds is not None and alone else None
-                why_not = self.cost.index_decision(spec.cid, s, bound)
+                # how its answer will likely go on, where the runner's bounds can say (answer_lengths.py)
+                outlook = answer_bounds.outlook(r) if bound is not None and hasattr(answer_bounds, "outlook") else None
+                why_not = self.cost.index_decision(spec.cid, s, bound, outlook)
                 if why_not is not None:
                     plan.exact_reason[r] = why_not
                     continue

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vllm_magicpig import decode_methods, extensions
+from vllm_magicpig.answer_lengths import AnswerLengths
 from vllm_magicpig.background_index import BackgroundIndexer
 from vllm_magicpig.budget import Budget
 from vllm_magicpig.config import MagicPigConfig, parse_config
@@ -89,6 +90,10 @@ class MagicPigRuntime:
         # what each request of the step being built may still decode (answer_bounds.py: the runner
         # publishes it, the metadata builder takes it); None when no runner published one
         self.answer_bounds: Sequence[int | None] | None = None
+        # how long this worker's answers ran, of their max_tokens (answer_lengths.py; recorded by the
+        # runner patch as requests finish): a request's outlook for the cost model
+        self.answer_lengths = AnswerLengths()
+        self.stats.add_section("answer_lengths", self.answer_lengths.snapshot)
         # A new prompt's index built on a background thread (its first decodes served exactly)
         self.indexer = BackgroundIndexer(
             self.index, self.ops, self.stats, self.cap_bytes, build_segment_from_cache, self.projection,
