@@ -333,6 +333,7 @@ def magicpig_counters(scraped: dict) -> dict[str, Any]:
         "held_bytes_peak": int(v("held_bytes_peak") or 0),
         "segments": {e: int(v("segments_total", event=e) or 0)
                      for e in ("built", "merged", "evicted", "invalidated", "refused")},
+        "built_on_outlook": int(v("prompts_built_on_outlook_total") or 0),
     }
 
 
@@ -480,7 +481,8 @@ def render(args, jobs: list[Job], reports: dict[str, dict], problems: list[str],
                   f"{json.dumps(c['config'])}):", "",
                   f"- decodes served sparse: {c['decodes_sparse']}; exact, by reason: {c['decodes_exact']}",
                   f"- sampled fraction: {'n/a' if frac is None else f'{frac:.2%}'}",
-                  f"- segments: {c['segments']}",
+                  f"- segments: {c['segments']}; prompts built at their first decode on the answer outlook: "
+                  f"{c.get('built_on_outlook', 0)}",
                   f"- index + mirror bytes held at most: {c['held_bytes_peak'] / 2**20:.0f} MiB "
                   f"(cap `index_memory_mb` = {c['index_memory_mb']} MiB; largest value scraped during the run: "
                   f"{c['scraped_held_max'] / 2**20:.0f} MiB)"]

@@ -124,6 +124,20 @@ def test_exporter_per_rank_monotonic_across_reset():
     assert value(s, "vllm:magicpig_sampled_fraction", model_name=model, rank="0") == pytest.approx(0.02)
 
 
+def test_prompts_built_on_outlook_count_the_workers_life():
+    """The cost model's count of prompts built on an answer outlook is not restarted by
+    magicpig_reset_stats (the stats' steps are): the counter follows it, not the reset."""
+    model = "unit-outlook"
+    ex = Exporter(model)
+    series = dict(model_name=model, rank="0")
+    ex.update({0: [snapshot(steps=5)]})  # no cost model: the series exists, at zero
+    assert value(scrape_registry(), "vllm:magicpig_prompts_built_on_outlook_total", **series) == 0
+    ex.update({0: [snapshot(steps=20, cost_model={"built_on_outlook": 3})]})
+    assert value(scrape_registry(), "vllm:magicpig_prompts_built_on_outlook_total", **series) == 3
+    ex.update({0: [snapshot(steps=2, cost_model={"built_on_outlook": 4})]})  # stats reset; one more build
+    assert value(scrape_registry(), "vllm:magicpig_prompts_built_on_outlook_total", **series) == 4
+
+
 def test_raw_sample_counters_when_stats_report_them():
     model = "unit-raw"
     ex = Exporter(model)

@@ -96,6 +96,7 @@ class _Metrics:
     tokens_indexed: Counter
     build_seconds: Counter
     sparse_seconds: Counter
+    built_on_outlook: Counter
     budget_K: Gauge
     budget_L: Gauge
     budget_L_built: Gauge
@@ -163,6 +164,9 @@ def metrics() -> _Metrics:
                 tokens_indexed=counter("tokens_indexed", "Tokens hashed into new segments."),
                 build_seconds=counter("build_seconds", "Seconds spent building and merging index segments."),
                 sparse_seconds=counter("sparse_seconds", "Seconds spent in sparse decode attention."),
+                built_on_outlook=counter(
+                    "prompts_built_on_outlook", "Prompts indexed at their first decode, before ski rental had "
+                    "paid for them, because answers like their request's have run long (answer_lengths.py)."),
                 budget_K=gauge("budget_K", "Budget mode: the K of a sparse layer's latest request choice for a target.",
                                ("layer", "target")),
                 budget_L=gauge("budget_L", "Budget mode: the L (tables read, as steered) of a sparse layer's latest "
@@ -228,6 +232,13 @@ class Exporter:
         count(m.tokens_indexed, index.get("tokens_indexed"))
         count(m.build_seconds, snap.get("build_seconds"))
         count(m.sparse_seconds, snap.get("sparse_seconds"))
+        # the cost model's count runs for the worker's life: magicpig_reset_stats does not restart it
+        lifetime = float((snap.get("cost_model") or {}).get("built_on_outlook") or 0)
+        key = (id(m.built_on_outlook), labels)
+        last, self._last[key] = self._last.get(key, 0.0), lifetime
+        child = m.built_on_outlook.labels(*labels)
+        if lifetime > last:
+            child.inc(lifetime - last)
 
         m.index_bytes.labels(*labels).set(snap.get("index_bytes") or 0)
         m.mirror_bytes.labels(*labels).set(snap.get("mirror_bytes") or 0)
