@@ -205,12 +205,14 @@ class Exporter:
         reset = steps < self._last_steps.get(labels, 0)
         self._last_steps[labels] = steps
 
-        def count(metric: Counter, raw: Any, *extra: str) -> None:
+        def count(metric: Counter, raw: Any, *extra: str, restarts_on_reset: bool = True) -> None:
+            """``restarts_on_reset``: the worker's value restarts with magicpig_reset_stats (its
+            stats' counters); False for a count that runs for the worker's life."""
             raw = float(raw or 0)
             key = (id(metric), labels, extra)
             last = self._last.get(key, 0.0)
             self._last[key] = raw
-            delta = raw if reset or raw < last else raw - last
+            delta = raw if (reset and restarts_on_reset) or raw < last else raw - last
             child = metric.labels(*labels, *extra)  # creates the series at 0
             if delta > 0:
                 child.inc(delta)
@@ -233,12 +235,7 @@ class Exporter:
         count(m.build_seconds, snap.get("build_seconds"))
         count(m.sparse_seconds, snap.get("sparse_seconds"))
         # the cost model's count runs for the worker's life: magicpig_reset_stats does not restart it
-        lifetime = float((snap.get("cost_model") or {}).get("built_on_outlook") or 0)
-        key = (id(m.built_on_outlook), labels)
-        last, self._last[key] = self._last.get(key, 0.0), lifetime
-        child = m.built_on_outlook.labels(*labels)
-        if lifetime > last:
-            child.inc(lifetime - last)
+        count(m.built_on_outlook, (snap.get("cost_model") or {}).get("built_on_outlook"), restarts_on_reset=False)
 
         m.index_bytes.labels(*labels).set(snap.get("index_bytes") or 0)
         m.mirror_bytes.labels(*labels).set(snap.get("mirror_bytes") or 0)
