@@ -191,11 +191,20 @@ def test_a_calibration_that_fails_leaves_the_worker_serving(vllm_env, monkeypatc
 @pytest.mark.e2e
 def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model_path):
     """A real engine, cost model on: four 3000-token questions answered to their max_tokens (400), one
-    after another, wait ski-rental style before their prompts are built; their answers are then what
-    the worker knows of such requests (answer_lengths.py, recorded through vLLM's runner), so a fifth
-    question asking as much has its prompt built at its first decode: none of its decodes waits
-    (``index_deferred``), most are sampled (a silent fallback to exact attention fails this), and the
-    cost model counts the build.
+    after another; their answers are then what the worker knows of such requests (answer_lengths.py,
+    recorded through vLLM's runner). Which way the fifth goes depends on this machine's own costs:
+
+    * where sampling 3000 keys is cheaper than exact attention (the AMD machine), the first four wait
+      ski-rental style before being built, and the fifth, asking as much, is built at its first
+      decode: none of its decodes waits (``index_deferred``), most are sampled (a silent fallback to
+      exact attention fails this), and the cost model counts the build;
+    * where it is not (the AMX machine: vLLM's AMX kernel, 230 us a layer live against sampling's
+      315), nothing is built or sampled, not even on the outlook, and the decodes say why
+      (``sampling_slower``): a build there was lost before the calibration's prior was scaled to the
+      live level (cost_model.py).
+
+    Each machine's wrong outcome fails: a build on AMX lands in the first branch and is not sampled
+    after; no build on AMD leaves ``index_deferred`` decodes, which the second branch rejects.
 
     Builds at the first decode, not on the background thread: a build beside the decodes measured
     ~2.4x the CPU time of one alone (13.4 against 5.6 ms per 1K tokens and layer), and at that cost
@@ -216,12 +225,22 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
     after = stats(llm)
     del llm
     assert before["answers_recorded"] == 4 and before["answer_groups"] == {256: 4}, before
-    waited = before["decode_exact"].get("index_deferred", 0)
-    assert waited > 0 and before["cost_model"]["built_on_outlook"] == 0, before
-    assert after["cost_model"]["built_on_outlook"] == 1, (after["cost_model"], after["decode_exact"])
+    assert before["cost_model"]["built_on_outlook"] == 0, before
     new_exact = {k: v - before["decode_exact"].get(k, 0) for k, v in after["decode_exact"].items()}
     new_exact = {k: v for k, v in new_exact.items() if v}
-    # served exactly only where sampling measured slower (the cost model's own call, step by step), never
-    # waiting for the build; most of its decodes sampled
-    assert set(new_exact) <= {"dense_layer", "sampling_slower"} and new_exact["dense_layer"] == 399 * 2, new_exact
-    assert after["decode_sparse"] - before["decode_sparse"] > 399 * 28 // 2, new_exact
+    assert new_exact["dense_layer"] == 399 * 2, new_exact
+    sparse_decodes = 399 * 28
+    if after["cost_model"]["built_on_outlook"]:
+        assert after["cost_model"]["built_on_outlook"] == 1, after["cost_model"]
+        assert before["decode_exact"].get("index_deferred", 0) > 0, before  # the first four waited
+        # served exactly only where sampling measured slower (the cost model's own call, step by step),
+        # never waiting for the build; most of its decodes sampled
+        assert set(new_exact) <= {"dense_layer", "sampling_slower"}, new_exact
+        assert after["decode_sparse"] - before["decode_sparse"] > sparse_decodes // 2, new_exact
+    else:
+        assert after["decode_sparse"] == 0 and after["index_bytes"] == 0 and after["build_seconds"] == 0, after
+        assert "index_deferred" not in after["decode_exact"], after["decode_exact"]
+        # most decodes found sampling slower; exploring steps (1 in 16) judged the build unpayable
+        assert set(new_exact) <= {"dense_layer", "sampling_slower", "index_cannot_pay"}, new_exact
+        assert new_exact["sampling_slower"] > sparse_decodes * 3 // 4, new_exact
+        assert new_exact["sampling_slower"] + new_exact.get("index_cannot_pay", 0) == sparse_decodes, new_exact

@@ -430,6 +430,59 @@ def test_live_timings_outweigh_the_calibration():
         assert m.predicted(4096)[1] == pytest.approx(cost(SPARSE, 1, 4096), rel=0.1 if steps == 30 else 0.02)
 
 
+def test_a_side_still_on_its_calibration_moves_with_the_others_live_timings():
+    """The calibration times both sides warm; live, each costs more by about the same factor. Until
+    sampling is timed live, its prior is scaled by exact attention's live-to-calibrated ratio at the
+    same context (and the other way round), so the two are compared at the same level. The AMX
+    machine's case: exact 90 us and sampling 140 us calibrated at 3000 keys, exact 2.5x that live;
+    unscaled, sampling (140) looked cheaper than exact (228), the prompt was built, and sampling then
+    measured 315 us."""
+    exact_cal, sparse_cal = (0.0, 3e-8), (140e-6, 0.0)  # 90 us exact at 3000 keys, sampling flat 140 us
+    m = DecodeCostModel(min_steps=16)
+    m.calibrate([(1, n, cost(exact_cal, 1, n)) for n in (1092, 2991, 8192)],
+                [(1, n, cost(sparse_cal, 1, n)) for n in (1092, 2991, 8192)],
+                (8192, 8192 * BUILD_PER_TOKEN), {"contexts": [1092, 2991, 8192]})
+    e, s = m.predicted(3000)
+    assert e == pytest.approx(90e-6, rel=1e-3) and s == pytest.approx(140e-6, rel=1e-3)
+    assert m.snapshot()["prior_scale@4096"] == [1.0, 1.0]
+    for _ in range(200):  # live exact steps at 2.5x the calibration (deferred prompts, dense layers)
+        m.begin_step()
+        m.observe_exact(1, 3000, 2.5 * cost(exact_cal, 1, 3000), layers=30)
+    e, s = m.predicted(3000)
+    ratio = e / cost(exact_cal, 1, 3000)
+    assert ratio == pytest.approx(2.5, rel=0.02)
+    assert s == pytest.approx(ratio * 140e-6, rel=1e-4)  # sampling's prior at exact's live level
+    assert m.snapshot()["prior_scale@4096"][0] == 1.0 and m.snapshot()["prior_scale@4096"][1] > 1.5
+    m.begin_step()
+    assert not m.sampling_pays(3000)
+    assert m.index_decision(1, 3000, remaining=400) == "index_cannot_pay"  # no build lost on a prior
+    # sampling's own live timings end the scaling: at 100 us it pays, as measured
+    for _ in range(2):
+        m.begin_step()
+        m.observe_sparse(1, 3000, 100e-6, layers=28)
+    e, s = m.predicted(3000)
+    assert s < 1.1 * 100e-6 and m.snapshot()["prior_scale@4096"] == [1.0, 1.0]
+    assert m.sampling_pays(3000)
+
+
+def test_exact_still_on_its_calibration_moves_with_samplings_live_timings():
+    m = calibrated(sparse=(5 * SPARSE[0], 5 * SPARSE[1]))  # both calibrated; sampling live at 1/5 of it
+    for _ in range(100):
+        m.begin_step()
+        m.observe_sparse(1, 4096, cost(SPARSE, 1, 4096), layers=28)
+    e, s = m.predicted(4096)
+    ratio = s / (5 * cost(SPARSE, 1, 4096))
+    assert ratio == pytest.approx(0.2, rel=0.05)
+    assert e == pytest.approx(ratio * cost(EXACT, 1, 4096), rel=1e-4)
+
+
+def test_an_uncalibrated_model_is_not_scaled():
+    m = trained()
+    e, s = m.predicted(4096)
+    assert e == pytest.approx(cost(EXACT, 1, 4096), rel=1e-3) and s == pytest.approx(cost(SPARSE, 1, 4096), rel=1e-3)
+    assert m.snapshot()["prior_scale@4096"] == [1.0, 1.0]
+
+
 def test_a_calibration_that_timed_nothing_leaves_the_model_as_it_was():
     m = DecodeCostModel(min_steps=16)
     m.calibrate([], [], (0, 0.0), {"contexts": [], "skipped": "no context up to max_model_len is sampled"})

@@ -60,6 +60,20 @@ from the shortest sampled to the model's length (at most 32K); the ranges betwee
 the last count as timed. Then no prompt is indexed merely to measure a range there, and a fresh
 engine's first prompts wait, ski-rental, as later ones do. The calibrated observations weigh as
 ``min_steps`` layer timings per side, so live steps (about one a layer each) outweigh them soon.
+
+The calibration times both sides warm, one after the other; the engine runs them cold, between the
+model's other layers, and there each costs ~2-2.5x its calibrated time (AMD: exact 430-450 us at 4K
+live against 192 calibrated, sampling 145-196 against 85; AMX: 293 against ~120, sampling 315
+against 140). So the calibration is right about the two sides' ratio and wrong about their level,
+the same way for both. Live steps correct a side's level only where that side runs, and exact
+attention runs from the first request (every dense layer, every deferred prompt) while sampling
+runs only once a prompt is built: compared as they stand, a live exact cost against a warm sampling
+cost makes sampling look ~2x cheaper than it is. On the AMX machine a 3000-token prompt was built on
+that (exact 230 us live against sampling's 140 calibrated) and its decodes then measured sampling
+at 315 us, slower than exact: the build was lost and the request served exactly after it. So while
+one side has fewer than ``min_steps`` live timings and the other has more, the first side's prior
+is scaled by the second's live-to-calibrated ratio at the same context (``predicted``; the snapshot's
+``prior_scale``), until its own live timings arrive.
 """
 from __future__ import annotations
 
@@ -213,6 +227,10 @@ class DecodeCostModel:
         self._explore = False
         self._lock = threading.Lock()
         self.calibration: dict | None = None  # what start-up calibration measured (None: not run)
+        # The calibration's fits alone, and each side's observation count once calibrated: what live
+        # timings have moved each side from its prior (the module docs' last paragraph).
+        self._prior: tuple[LinearCost, LinearCost] | None = None
+        self._prior_steps = (0, 0)
 
     def observe_exact(self, requests: int, keys: int, seconds: float, layers: int = 1) -> None:
         """Exact attention over ``requests`` requests of ``keys`` keys in all took ``seconds`` per
@@ -249,6 +267,13 @@ class DecodeCostModel:
                 self._sampled_octaves.update(range(min(octaves), max(octaves) + 1))
             self.build.add(*build)
             self.calibration = record
+            if exact and sampled:
+                prior = (LinearCost(1.0, shape="keys"), LinearCost(1.0, shape="requests"))
+                for fit, points in zip(prior, (exact, sampled)):
+                    for requests, keys, seconds in points:
+                        fit.add(requests, keys, seconds)
+                self._prior = prior
+                self._prior_steps = (self.exact.steps, self.sparse.steps)
 
     def predicted(self, context: int) -> tuple[float, float] | None:
         """(exact, sampled) seconds per layer for one request of ``context`` keys, once both
@@ -257,7 +282,25 @@ class DecodeCostModel:
             if self.exact.steps < self.min_steps or self.sparse.steps < self.min_steps:
                 return None
             e, s = self.exact.per_request(context), self.sparse.per_request(context)
-        return None if e is None or s is None else (e, s)
+            if e is None or s is None:
+                return None
+            scale = self._prior_scale(context, e, s)
+        return (e * scale[0], s * scale[1])
+
+    def _prior_scale(self, context: int, e: float, s: float) -> tuple[float, float]:
+        """Factors for (exact, sampled) at ``context``: 1, or for a side still on its calibration
+        while the other has live timings, the other's live-to-calibrated ratio (module docs)."""
+        if self._prior is None:
+            return 1.0, 1.0
+        live = (self.exact.steps - self._prior_steps[0], self.sparse.steps - self._prior_steps[1])
+        prior = (self._prior[0].per_request(context), self._prior[1].per_request(context))
+        if not all(p is not None and p > 0 for p in prior):
+            return 1.0, 1.0
+        if live[1] < self.min_steps <= live[0]:
+            return 1.0, e / prior[0]
+        if live[0] < self.min_steps <= live[1]:
+            return s / prior[1], 1.0
+        return 1.0, 1.0
 
     def begin_step(self) -> None:
         """A decode step is being planned: the fits forget a little, and every ``explore_every``-th
@@ -366,4 +409,8 @@ class DecodeCostModel:
             p = self.predicted(n)
             if p is not None:
                 out[f"exact_us@{n}"], out[f"sparse_us@{n}"] = round(p[0] * 1e6, 1), round(p[1] * 1e6, 1)
+        if self.predicted(4096) is not None:
+            with self._lock:
+                e, s = self.exact.per_request(4096), self.sparse.per_request(4096)
+                out["prior_scale@4096"] = [round(f, 2) for f in self._prior_scale(4096, e, s)]
         return out
