@@ -171,8 +171,16 @@ def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model
     assert st["decode_sparse"] == 0, st
     exact = st["decode_exact"]
     assert exact.get("index_cannot_pay", 0) + exact.get("sampling_slower", 0) == sparse_decodes, st
-    assert exact.get("index_cannot_pay", 0) > 0 and "index_deferred" not in exact, st
+    assert "index_deferred" not in exact, st
     assert st["build_seconds"] == 0 and st["index_bytes"] == 0, st
+    # Why, by this machine's costs: where sampling 3000 keys is predicted faster (the AMD machine), the
+    # bound says a build cannot pay back in 24 decodes; where it is not (vLLM's AMX kernel), sampling
+    # is slower, and every decode says that.
+    cm = st["cost_model"]
+    if cm["sparse_us@4096"] < cm["exact_us@4096"] * 3000 / 4096:
+        assert exact.get("index_cannot_pay", 0) > 0, st
+    else:
+        assert exact.get("sampling_slower", 0) == sparse_decodes, st
 
 
 def test_a_calibration_that_fails_leaves_the_worker_serving(vllm_env, monkeypatch):  # noqa: F811

@@ -200,6 +200,13 @@ def test_a_prompt_sampling_saves_nothing_on_is_never_built():
     m = measured()
     assert m.predicted(500)[1] > m.predicted(500)[0]  # below the crossover
     assert not any(m.index_pays(1, 500) for _ in range(1000))
+    # asked in an exploring step, the reason is the cause (not a bound or the account), bounded or not,
+    # and the prompt's account is left as it was
+    assert {m.index_decision(1, 500, remaining) for remaining in (None, 4, 10_000)} == {"sampling_slower"}
+    assert m.index_decision(2, 8000) == "index_deferred"  # above the crossover: its account opens
+    saved = dict(m._saved)
+    assert saved[2] > 0
+    assert m.index_decision(2, 500) == "sampling_slower" and m._saved == saved
 
 
 def test_the_build_cost_follows_this_workers_builds():
@@ -455,7 +462,7 @@ def test_a_side_still_on_its_calibration_moves_with_the_others_live_timings():
     assert m.snapshot()["prior_scale@4096"][0] == 1.0 and m.snapshot()["prior_scale@4096"][1] > 1.5
     m.begin_step()
     assert not m.sampling_pays(3000)
-    assert m.index_decision(1, 3000, remaining=400) == "index_cannot_pay"  # no build lost on a prior
+    assert m.index_decision(1, 3000, remaining=400) == "sampling_slower"  # no build lost on a prior
     # sampling's own live timings end the scaling: at 100 us it pays, as measured
     for _ in range(2):
         m.begin_step()

@@ -82,7 +82,7 @@ import threading
 from collections import OrderedDict
 
 from vllm_magicpig.answer_lengths import Outlook
-from vllm_magicpig.stats import EXACT_INDEX_CANNOT_PAY, EXACT_INDEX_DEFERRED
+from vllm_magicpig.stats import EXACT_INDEX_CANNOT_PAY, EXACT_INDEX_DEFERRED, EXACT_SAMPLING_SLOWER
 
 KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
 MAX_ACCOUNTS = 1 << 15  # deferred prompts whose savings are remembered (least recent forgotten)
@@ -336,7 +336,8 @@ class DecodeCostModel:
     def index_decision(self, cid: int, context: int, remaining: int | None = None,
                        outlook: Outlook | None = None) -> str | None:
         """Whether to build prompt ``cid``'s index now (None), or why not (``index_deferred``,
-        ``index_cannot_pay``). Called once per step for a decode over a prompt that has no index
+        ``index_cannot_pay``, or ``sampling_slower`` where sampling is predicted no faster than exact,
+        asked in an exploring step). Called once per step for a decode over a prompt that has no index
         (module docs): adds what sampling this decode would have saved, and builds once the
         prompt's decodes have saved the build's cost and, given the decodes the request may still
         take (``remaining``, None: unbounded), the build can still pay back (:meth:`build_can_pay`;
@@ -359,7 +360,11 @@ class DecodeCostModel:
                     return None  # this build explores the range
         if p is None or per_token is None:
             return None
-        saved = self._saved.pop(cid, 0.0) + max(p[0] - p[1], 0.0)
+        if p[1] >= p[0]:
+            # Sampling is predicted no faster (asked in an exploring step): no build could pay, and
+            # that is why; the prompt's account stays as it was, for when the costs move.
+            return EXACT_SAMPLING_SLOWER
+        saved = self._saved.pop(cid, 0.0) + p[0] - p[1]
         build = per_token * context
         can_pay = remaining is None or _pays_back(p, build, remaining)
         if saved >= build and can_pay:
