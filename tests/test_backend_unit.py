@@ -190,7 +190,6 @@ def assert_as_exact_as_vllm(out: torch.Tensor, ref: torch.Tensor, truth: torch.T
     assert float((out.double() - truth).abs().max()) <= 2 * float((ref.double() - truth).abs().max()) + 1e-6
 
 
-
 def harness(vllm_env, spec, num_blocks=None, isa="vec", **magicpig) -> Harness:
     # These cases decode without a prefill step first; test_background_index.py covers the indexer.
     magicpig.setdefault("background_index", False)

@@ -258,20 +258,18 @@ class DecodeCostModel:
         from the first request; the power-of-2 ranges from the first sampled point's to the last's
         count as timed (between points the fit interpolates). ``record`` is kept for the stats."""
         with self._lock:
-            for fit, points in ((self.exact, exact), (self.sparse, sampled)):
+            prior = (LinearCost(1.0, shape="keys"), LinearCost(1.0, shape="requests"))
+            for fit, alone, points in ((self.exact, prior[0], exact), (self.sparse, prior[1], sampled)):
                 count = -(-self.min_steps // max(len(points), 1))
                 for requests, keys, seconds in points:
                     fit.add(requests, keys, seconds, count)
+                    alone.add(requests, keys, seconds)
             if sampled:
                 octaves = [_octave(keys / requests) for requests, keys, _ in sampled]
                 self._sampled_octaves.update(range(min(octaves), max(octaves) + 1))
             self.build.add(*build)
             self.calibration = record
             if exact and sampled:
-                prior = (LinearCost(1.0, shape="keys"), LinearCost(1.0, shape="requests"))
-                for fit, points in zip(prior, (exact, sampled)):
-                    for requests, keys, seconds in points:
-                        fit.add(requests, keys, seconds)
                 self._prior = prior
                 self._prior_steps = (self.exact.steps, self.sparse.steps)
 
@@ -279,28 +277,32 @@ class DecodeCostModel:
         """(exact, sampled) seconds per layer for one request of ``context`` keys, once both
         sides have ``min_steps`` steps."""
         with self._lock:
-            if self.exact.steps < self.min_steps or self.sparse.steps < self.min_steps:
-                return None
-            e, s = self.exact.per_request(context), self.sparse.per_request(context)
-            if e is None or s is None:
-                return None
-            scale = self._prior_scale(context, e, s)
-        return (e * scale[0], s * scale[1])
+            p = self._predict(context)
+        return None if p is None else (p[0] * p[2][0], p[1] * p[2][1])
+
+    def _predict(self, context: int) -> tuple[float, float, tuple[float, float]] | None:
+        """(exact, sampled, their prior scales) as the fits stand; the caller holds the lock."""
+        if self.exact.steps < self.min_steps or self.sparse.steps < self.min_steps:
+            return None
+        e, s = self.exact.per_request(context), self.sparse.per_request(context)
+        if e is None or s is None:
+            return None
+        return e, s, self._prior_scale(context, e, s)
 
     def _prior_scale(self, context: int, e: float, s: float) -> tuple[float, float]:
         """Factors for (exact, sampled) at ``context``: 1, or for a side still on its calibration
-        while the other has live timings, the other's live-to-calibrated ratio (module docs)."""
+        while the other has live timings, the other's live-to-calibrated ratio (module docs). Called
+        for every decode request's prediction: the priors are fitted only where a side is scaled."""
         if self._prior is None:
             return 1.0, 1.0
         live = (self.exact.steps - self._prior_steps[0], self.sparse.steps - self._prior_steps[1])
+        exact_scaled = live[0] < self.min_steps <= live[1]
+        if not exact_scaled and not live[1] < self.min_steps <= live[0]:
+            return 1.0, 1.0
         prior = (self._prior[0].per_request(context), self._prior[1].per_request(context))
         if not all(p is not None and p > 0 for p in prior):
             return 1.0, 1.0
-        if live[1] < self.min_steps <= live[0]:
-            return 1.0, e / prior[0]
-        if live[0] < self.min_steps <= live[1]:
-            return s / prior[1], 1.0
-        return 1.0, 1.0
+        return (s / prior[1], 1.0) if exact_scaled else (1.0, e / prior[0])
 
     def begin_step(self) -> None:
         """A decode step is being planned: the fits forget a little, and every ``explore_every``-th
@@ -411,11 +413,12 @@ class DecodeCostModel:
         if per_token is not None:
             out["build_ms_per_1k_tokens"] = round(per_token * 1e6, 2)
         for n in (4096, 16384, 65536):
-            p = self.predicted(n)
-            if p is not None:
-                out[f"exact_us@{n}"], out[f"sparse_us@{n}"] = round(p[0] * 1e6, 1), round(p[1] * 1e6, 1)
-        if self.predicted(4096) is not None:
             with self._lock:
-                e, s = self.exact.per_request(4096), self.sparse.per_request(4096)
-                out["prior_scale@4096"] = [round(f, 2) for f in self._prior_scale(4096, e, s)]
+                p = self._predict(n)
+            if p is not None:
+                e, s, scale = p
+                out[f"exact_us@{n}"] = round(e * scale[0] * 1e6, 1)
+                out[f"sparse_us@{n}"] = round(s * scale[1] * 1e6, 1)
+                if n == 4096:
+                    out["prior_scale@4096"] = [round(f, 2) for f in scale]
         return out
