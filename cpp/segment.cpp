@@ -31,14 +31,12 @@ struct CompactDir {
 };
 
 // Sizes the CSR of s (s.n tokens) for sort_tables / merge_tables, which write every id and every
-// bucket start, and picks its directory form: dense offsets cost 2 bytes per bucket; once buckets
-// outnumber tokens the sorted distinct codes (4 bytes per non-empty bucket, binary searched) are
-// smaller.
+// bucket start, and picks its directory form (dense_directory_pays).
 static CompactDir size_tables(Segment& s) {
   const size_t T = static_cast<size_t>(s.hkv) * s.L;
   const uint32_t B = 1u << s.K;
   s.ids.resize(T * s.n);
-  s.dense_dir = B <= static_cast<uint32_t>(s.n);
+  s.dense_dir = dense_directory_pays(s.n, s.K);
   CompactDir dir;
   if (s.dense_dir) {
     s.off.resize(T * (B + 1));

@@ -572,19 +572,23 @@ def test_long_context_64k():
 
 def test_merge_equals_single_build():
     seed, gen = new_seed()
-    # K=8: every part has a dense bucket directory; K=14: every part a compact one; K=11: two compact
-    # parts into a compact one (the general bucket-by-bucket merge). Two parts into a dense directory
-    # take the block-copy path (as decode grows a long segment): K=10 dense + compact (1500 >= 2^10
-    # tokens, then 500), dense + a 10-token part (most buckets empty), compact + dense, compact +
-    # compact into dense (1000 + 1000), and K=8 dense + dense.
-    for K, L, sizes in ((8, 40, [700, 300, 1000]), (14, 12, [700, 300, 1000]), (11, 20, [1000, 1000]),
-                        (10, 30, [1500, 500]), (10, 30, [1990, 10]), (10, 30, [500, 1500]),
+    # A segment of n tokens has a dense bucket directory when n >= 2^K / 2, else a compact one.
+    # K=8: every part dense; K=14: every part compact; K=12: two compact parts into a compact one
+    # (the general bucket-by-bucket merge). Two parts into a dense directory take the block-copy
+    # path (as decode grows a long segment): K=10 dense + compact (1500 >= 512 tokens, then 500),
+    # dense + a 10-token part (most buckets empty), compact + dense, compact + compact into dense
+    # (450 + 400), dense + dense (1000 + 1000, 1200 + 800), and K=8 dense + dense.
+    for K, L, sizes in ((8, 40, [700, 300, 1000]), (14, 12, [700, 300, 1000]), (12, 20, [1000, 1000]),
+                        (10, 30, [1500, 500]), (10, 30, [1990, 10]), (10, 30, [500, 1500]), (10, 30, [450, 400]),
                         (10, 30, [1000, 1000]), (10, 30, [1200, 800]), (8, 40, [1200, 800])):
         c = Case(gen, [2500], 2, 3, 64, K, L, seg_sizes=[sizes])
         keys, vals = c.ctx[0]
-        whole = kx.build_segment(keys[4:2004], vals[4:2004], c.centres[0], c.W, K, L)
+        n = sum(sizes)
+        whole = kx.build_segment(keys[4:4 + n], vals[4:4 + n], c.centres[0], c.W, K, L)
         merged = kx.merge_segments(c.segs[0])
-        assert merged.num_tokens == 2000
+        assert merged.num_tokens == n
+        assert [s._c.dense_directory for s in c.segs[0]] == [2 * s >= 1 << K for s in sizes], f"K={K} {sizes}"
+        assert merged._c.dense_directory == whole._c.dense_directory == (2 * n >= 1 << K), f"K={K} {sizes}"
         assert torch.equal(merged.codes(), whole.codes()), f"seed={seed} K={K}"
         assert merged.index_bytes == whole.index_bytes and merged.mirror_bytes == whole.mirror_bytes
         for fs in PATHS:
