@@ -248,11 +248,16 @@ struct Segment {
     return {ustart[lo], (lo + 1 < end) ? ustart[lo + 1] : n};
   }
 
-  // Starts the load of what bucket(t, code) reads first.  A dense directory is far larger than the
-  // caches, so that read is a DRAM miss worth overlapping; a compact one is small, binary searched
-  // and stays cached, so there is nothing to prefetch.
+  // Starts the load of what bucket(t, code) reads first: a dense directory's entry, or a compact
+  // one's first probe (the middle of the table's distinct codes).  Either is a DRAM miss in an
+  // engine, whose layers evict each other, worth overlapping with the walks before it.
   MP_PREFETCH void prefetch_bucket(int t, uint32_t code) const {
-    if (dense_dir) __builtin_prefetch(dense_offsets(t) + code);
+    if (dense_dir) {
+      __builtin_prefetch(dense_offsets(t) + code);
+      return;
+    }
+    const uint32_t first = dir_begin[t], len = dir_begin[t + 1] - first;
+    __builtin_prefetch(ucode.data() + first + len / 2);
   }
 
   size_t index_bytes() const {
