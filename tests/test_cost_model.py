@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from vllm_magicpig.answer_bounds import ListedBounds
 from vllm_magicpig.answer_lengths import AnswerLengths
 from vllm_magicpig.config import MagicPigConfig, parse_config
 from vllm_magicpig.cost_model import DecodeCostModel, LinearCost
@@ -247,7 +248,6 @@ def test_a_build_that_cannot_pay_back_before_the_answer_ends_waits(context):
     ski = steps_until_built(measured(), cid=1, context=context)
     m = measured()
     short = math.floor(decodes_to_pay)  # one decode too few to pay back
-    assert not m.build_can_pay(context, short) and m.build_can_pay(context, short + 1)
     assert not any(m.index_pays(1, context, remaining=short) for _ in range(3 * ski))
     assert m.snapshot()["deferred_prompts"] == 1  # still deferred, its savings kept
     assert m.index_pays(1, context, remaining=short + 1)  # the next request over it has room: built at once
@@ -255,7 +255,7 @@ def test_a_build_that_cannot_pay_back_before_the_answer_ends_waits(context):
     m = measured()
     assert next(i for i in range(1, 10_000) if m.index_pays(2, context, remaining=10 ** 6)) == ski
     # until the costs are measured nothing can be judged: built at once, as without a bound
-    assert DecodeCostModel().index_pays(1, context, remaining=1) and DecodeCostModel().build_can_pay(context, 0)
+    assert all(DecodeCostModel().index_pays(1, context, remaining=r) for r in (0, 1))
 
 
 def test_planner_serves_a_request_whose_build_cannot_pay_back_exactly_with_its_reason():
@@ -267,13 +267,13 @@ def test_planner_serves_a_request_whose_build_cannot_pay_back_exactly_with_its_r
     table = torch.arange(1040, dtype=torch.int32).view(2, 520)
     ski = steps_until_built(measured(), cid=1, context=8192)
     settings = StepSettings.from_config(cfg)
-    reasons = [planner.plan(FakeCam(seq, table), 2, settings, [3, None]).exact_reason for _ in range(ski)]
+    reasons = [planner.plan(FakeCam(seq, table), 2, settings, ListedBounds([3, None])).exact_reason for _ in range(ski)]
     # row 0 (3 decodes left: its build could never pay back) is never built, and says so; row 1 (no
     # bound) builds at the ski-rental step
     assert [r.get(0) for r in reasons] == ["index_cannot_pay"] * ski, reasons
     assert [r.get(1) for r in reasons] == ["index_deferred"] * (ski - 1) + [None], reasons
     # row 0's prompt kept its account: a later request over it with room builds at once
-    assert planner.plan(FakeCam(seq[:1], table[:1]), 1, settings, [10 ** 6]).sparse == [0]
+    assert planner.plan(FakeCam(seq[:1], table[:1]), 1, settings, ListedBounds([10 ** 6])).sparse == [0]
 
 
 def test_a_prompt_asked_again_is_judged_by_ski_rental_alone():
@@ -289,12 +289,12 @@ def test_a_prompt_asked_again_is_judged_by_ski_rental_alone():
         last = torch.tensor([8191], dtype=torch.int64)  # block 511, slot 15: the prompt's last token
         planner.observe_step(FakeCam(torch.tensor([8191], dtype=torch.int32), table, slot_mapping=last,
                                      num_reqs=1), 0)
-        return planner.plan(FakeCam(torch.tensor([8192], dtype=torch.int32), table), 1, settings, [bound])
+        return planner.plan(FakeCam(torch.tensor([8192], dtype=torch.int32), table), 1, settings, ListedBounds([bound]))
 
     assert prefill_then_decode(3).exact_reason == {0: "index_cannot_pay"}  # the first request: its bound decides
     for _ in range(ski):  # it decodes on, its account growing
         assert planner.plan(FakeCam(torch.tensor([8192], dtype=torch.int32), table), 1, settings,
-                            [3]).exact_reason == {0: "index_cannot_pay"}
+                            ListedBounds([3])).exact_reason == {0: "index_cannot_pay"}
     # the second request over the prompt, with as short an answer: built, its account having paid
     assert prefill_then_decode(3).sparse == [0]
 

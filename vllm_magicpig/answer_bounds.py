@@ -26,12 +26,41 @@ requests, so the cost model can build a prompt at once where answers like its re
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 from vllm_magicpig.answer_lengths import AnswerLengths, Outlook
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _MARK = "_magicpig_answer_bounds"
+
+
+class AnswerBounds(Protocol):
+    """What the planner asks of a step's bounds, by batch row (``StepPlanner.plan``)."""
+
+    def __getitem__(self, row: int) -> int | None:
+        """The decodes row ``row``'s request may still take (None: no bound)."""
+
+    def outlook(self, row: int) -> Outlook | None:
+        """How row ``row``'s answer will likely go on (None: nothing known)."""
+
+
+class ListedBounds:
+    """Bounds given one per row, with no outlook: for a caller that knows each request's remaining
+    decodes but no past answers (tests, tools)."""
+
+    __slots__ = ("_bounds",)
+
+    def __init__(self, bounds: Sequence[int | None]) -> None:
+        self._bounds = list(bounds)
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    def __getitem__(self, row: int) -> int | None:
+        return self._bounds[row]
+
+    def outlook(self, row: int) -> Outlook | None:
+        return None
 
 
 class RowBounds:

@@ -319,18 +319,6 @@ class DecodeCostModel:
         p = self.predicted(context)
         return p is None or p[1] <= p[0] or self._explore
 
-    def build_can_pay(self, context: int, remaining: int) -> bool:
-        """Whether sampling ``remaining`` more decodes of a ``context``-key request would save what
-        building its prompt's index costs (seconds per layer both; True while either is unmeasured).
-        ``remaining`` is a bound (the request's ``max_tokens`` less what it decoded): a build that
-        cannot pay back within it only slows the request down."""
-        p = self.predicted(context)
-        with self._lock:
-            per_token = self.build.per_token()
-        if p is None or per_token is None:
-            return True
-        return _pays_back(p, per_token * context, remaining)
-
     def index_pays(self, cid: int, context: int, remaining: int | None = None, outlook: Outlook | None = None) -> bool:
         """Build prompt ``cid``'s index now? :meth:`index_decision` is None."""
         return self.index_decision(cid, context, remaining, outlook) is None
@@ -342,8 +330,8 @@ class DecodeCostModel:
         asked in an exploring step). Called once per step for a decode over a prompt that has no index
         (module docs): adds what sampling this decode would have saved, and builds once the
         prompt's decodes have saved the build's cost and, given the decodes the request may still
-        take (``remaining``, None: unbounded), the build can still pay back (:meth:`build_can_pay`;
-        if not, ``index_cannot_pay``, the account kept for the prompt's later requests). Builds
+        take (``remaining``, None: unbounded), the build can still pay back (sampling those decodes
+        saves its cost; if not, ``index_cannot_pay``, the account kept for the prompt's later requests). Builds
         while the decode or the build costs are unmeasured, and for one prompt per
         ``reexplore_steps`` steps in a power-of-2 range of contexts sampling was not timed in.
         ``outlook``: how the request's answer will likely go on (``answer_lengths.py``; None: unknown);

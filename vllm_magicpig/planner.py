@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
+from vllm_magicpig.answer_bounds import AnswerBounds
 from vllm_magicpig.config import MagicPigConfig
 from vllm_magicpig.decode_methods import EXACT
 from vllm_magicpig.index import CentreSpec, IndexStore, SegmentKey, SegmentRef
@@ -225,11 +226,11 @@ class StepPlanner:
                 self._prefill_ends.popitem(last=False)
 
     def plan(self, cam, num_decodes: int, settings: StepSettings,
-             answer_bounds: Sequence[int | None] | None = None) -> DecodePlan:
+             answer_bounds: AnswerBounds | None = None) -> DecodePlan:
         """The step's decode plan. ``answer_bounds``: the decodes each request (by row) may still take,
         from its ``max_tokens`` (answer_bounds.py); a new prompt whose build could not pay back within
         its request's bound is not built (``index_cannot_pay``), and one whose request's answer will
-        likely run long (``answer_bounds.outlook(row)``, where given) may be built at once."""
+        likely run long (``answer_bounds.outlook(row)``) may be built at once."""
         cfg, bs = self.cfg, self.block_size
         seq_lens = [int(x) for x in cam.seq_lens[:num_decodes].tolist()]
         block_table = cam.block_table_tensor[:num_decodes]
@@ -273,7 +274,7 @@ class StepPlanner:
                 alone = self._requests_over.get(spec.cid, 0) < 2
                 bound = answer_bounds[r] if answer_bounds is not None and alone else None
                 # how its answer will likely go on, where the runner's bounds can say (answer_lengths.py)
-                outlook = answer_bounds.outlook(r) if bound is not None and hasattr(answer_bounds, "outlook") else None
+                outlook = answer_bounds.outlook(r) if bound is not None else None
                 why_not = self.cost.index_decision(spec.cid, s, bound, outlook)
                 if why_not is not None:
                     plan.exact_reason[r] = why_not
