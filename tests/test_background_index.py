@@ -183,18 +183,20 @@ def test_a_new_prompts_index_waits_until_its_exact_decodes_would_have_paid_for_i
 def test_the_builder_takes_the_runners_answer_bounds_once(vllm_env):  # noqa: F811
     """The bounds the runner published for a step (answer_bounds.py) decide that step's plan, then
     are gone: a step no runner published for (or with fewer rows than its decodes) plans unbounded."""
+    from vllm_magicpig.answer_bounds import ListedBounds
+
     h = _prefilled(vllm_env, [3000])
     cost = h.runtime.cost
     for keys in range(1000, 100_000, 500):
         cost.observe_exact(1, keys, 0.5 + keys * 1e-6)
         cost.observe_sparse(1, keys, keys * 1e-6)  # sampling saves 0.5 s a step
     cost.observe_build(3000, 3000 * 1.25 / 3000)  # the build: 2.5 steps' savings
-    h.runtime.answer_bounds = [2]  # two decodes left: 1 s saved at most, against a 1.25 s build
+    h.runtime.answer_bounds = ListedBounds([2])  # two decodes left: 1 s saved at most, against a 1.25 s build
     _, _, meta = h.step()
     assert meta.sparse_plan.exact_reason == {0: "index_cannot_pay"} and h.runtime.answer_bounds is None
     _, _, meta = h.step()  # nothing published: ski rental alone (its account has 1 s saved so far)
     assert meta.sparse_plan.exact_reason == {0: "index_deferred"}
-    h.runtime.answer_bounds = []  # fewer bounds than decodes: not used
+    h.runtime.answer_bounds = ListedBounds([])  # fewer bounds than decodes: not used
     _, _, meta = h.step()
     assert meta.sparse_plan.exact_reason == {0: "indexing"}  # 1.5 s saved: the build is submitted
 

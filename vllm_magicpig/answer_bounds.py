@@ -37,6 +37,9 @@ _MARK = "_magicpig_answer_bounds"
 class AnswerBounds(Protocol):
     """What the planner asks of a step's bounds, by batch row (``StepPlanner.plan``)."""
 
+    def __len__(self) -> int:
+        """The rows bounded (a step with more decodes than that is planned unbounded)."""
+
     def __getitem__(self, row: int) -> int | None:
         """The decodes row ``row``'s request may still take (None: no bound)."""
 
