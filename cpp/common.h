@@ -189,8 +189,8 @@ inline float quantize_int8(const float* x, int d, int8_t* q) {
 // binary searched).  Uniform codes fill ~2^K (1 - e^(-n / 2^K)) buckets, so from n = 2^K / 2 the
 // dense form costs at most 1.27x the compact one's bytes, while a compact lookup is ~log2(distinct)
 // dependent reads: at 1,020 tokens (K=10, just short of the old n >= 2^K rule) the lookup took 2.5x
-// as long as at 3,964 tokens with a dense directory.  Below that the dense form's bytes grow as
-// 2^K / n and it is the compact one's, as it is for every segment at large K.
+// as long as at 3,964 tokens with a dense directory.  Below 2^K / 2 the dense form's bytes per token
+// grow as 2^K / n, so such segments (and at large K, most segments) keep the compact form.
 inline bool dense_directory_pays(int n, int K) { return 2 * static_cast<int64_t>(n) >= (int64_t{1} << K); }
 
 // One immutable LSH segment: a row-major K/V mirror of a contiguous run of tokens plus, per
@@ -231,8 +231,8 @@ struct Segment {
     // code is random, so a branch at each step was a misprediction every other step.  Without the
     // branch nothing is read ahead speculatively, and cold (an engine's layers evict each other)
     // each halving waited for its line: 1.5x slower than the branches.  So both candidates of the
-    // next halving are prefetched (benchmarks/results/decode_profile_bucket_directory_amx.md:
-    // warm 1.7x faster than the branches, cold 1.0-1.1x).
+    // next halving are prefetched (benchmarks/results/decode_profile_bucket_directory_amx.md, K=12:
+    // the lookup warm 1.5-2.3x faster than with the branches, cold 1.0-1.1x).
     const uint32_t first = dir_begin[t], end = dir_begin[t + 1];
     if (first == end) return {0, 0};
     const uint16_t* base = ucode.data() + first;

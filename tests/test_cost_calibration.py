@@ -146,6 +146,13 @@ def test_calibration_is_skipped_when_switched_off(vllm_env, switch):  # noqa: F8
     assert h.runtime.cost is None or h.runtime.cost.calibration is None
 
 
+def predicted_us(cm: dict, side: str, context: int) -> float:
+    """The cost model's ``side`` (``exact`` / ``sparse``) us at ``context`` keys, read off its stats'
+    4K and 16K predictions: the fits are linear in the context (per request + per key)."""
+    lo, hi = cm[f"{side}_us@4096"], cm[f"{side}_us@16384"]
+    return lo + (hi - lo) * (context - 4096) / (16384 - 4096)
+
+
 @pytest.mark.e2e
 def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model_path):
     """A real engine with the default config: its worker calibrates at start-up, so a cold 3000-token
@@ -180,11 +187,7 @@ def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model
     # the labels follow the predictions step by step, so within 10% of each other they may mix).
     cm = st["cost_model"]
 
-    def at_3000(side):
-        lo, hi = cm[f"{side}_us@4096"], cm[f"{side}_us@16384"]
-        return lo - (hi - lo) * (4096 - 3000) / (16384 - 4096)
-
-    ratio = at_3000("sparse") / at_3000("exact")
+    ratio = predicted_us(cm, "sparse", 3000) / predicted_us(cm, "exact", 3000)
     if ratio < 0.9:
         assert exact.get("index_cannot_pay", 0) > 0, (ratio, st)
     elif ratio > 1.1:
@@ -254,11 +257,7 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
     sampled = after["decode_sparse"] - before["decode_sparse"]
     cm = after["cost_model"]
 
-    def at_3000(side):
-        lo, hi = cm[f"{side}_us@4096"], cm[f"{side}_us@16384"]
-        return lo - (hi - lo) * (4096 - 3000) / (16384 - 4096)
-
-    sampling_faster = at_3000("sparse") < at_3000("exact")
+    sampling_faster = predicted_us(cm, "sparse", 3000) < predicted_us(cm, "exact", 3000)
     if cm["built_on_outlook"]:
         assert cm["built_on_outlook"] == 1, cm
         assert before["decode_exact"].get("index_deferred", 0) > 0, before  # the first four waited
