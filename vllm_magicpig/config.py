@@ -59,7 +59,8 @@ class MagicPigConfig:
     """Largest segment (token ids inside a segment are 16-bit)."""
     index_memory_mb: int = 4096
     """Cap on the CPU-side index (hash tables + K/V mirror), per worker. Least
-    recently used segments are evicted; their tokens are then attended exactly."""
+    recently used segments are evicted; their tokens are then attended exactly. On vLLM's CPU
+    platform the cap comes out of the worker's memory budget (``host_memory.py``)."""
     mirror_dtype: str = "auto"
     """How segments keep the K/V rows that decode samples: 'auto', as the KV cache holds them (bf16 /
     fp16), or 'int8', 8-bit values with a scale per row: half the mirror's memory and the bytes each

@@ -21,6 +21,9 @@
 7. The same way, the runner publishes each step's answer bounds (the tokens each request may
    still decode, ``answer_bounds``) on the worker's MAGICPIG runtime before it builds the
    step's attention metadata; without a MAGICPIG runtime it publishes nothing.
+8. The same way, the CPU worker sizes its KV cache with MAGICPIG's index cap taken out of its
+   memory budget (``host_memory``): left alone, vLLM's default KV cache and the index together
+   outgrew the machine mid-serve.
 """
 from __future__ import annotations
 
@@ -177,7 +180,7 @@ def _patch_runners() -> None:
 
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from vllm_magicpig import answer_bounds, cpu_seeded_sampling
+    from vllm_magicpig import answer_bounds, cpu_seeded_sampling, host_memory
 
     def patch_loaded_runners() -> None:
         module = sys.modules.get(cpu_seeded_sampling.RUNNER_MODULE)
@@ -186,6 +189,9 @@ def _patch_runners() -> None:
         module = sys.modules.get(answer_bounds.RUNNER_MODULE)
         if module is not None:
             answer_bounds.patch(module.GPUModelRunner)
+        module = sys.modules.get(host_memory.WORKER_MODULE)
+        if module is not None:
+            host_memory.patch(module.CPUWorker)
 
     patch_loaded_runners()  # a process that imported the runners before loading plugins
     init_device = WorkerWrapperBase.init_device

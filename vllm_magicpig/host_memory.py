@@ -1,0 +1,125 @@
+"""How a CPU worker's memory is shared between vLLM's KV cache and MAGICPIG's index.
+
+On vLLM's CPU platform the worker sizes its KV cache to fill ``--gpu-memory-utilization`` of its
+memory node (0.92 by default), less the weights, and zeroes it at start-up. MAGICPIG's index
+(hash tables and K/V mirror, capped by ``index_memory_mb``) lives beside it in the same process, so
+left alone the two asked for more than the machine has: with vLLM's defaults on a 24 GB machine
+the KV cache took 20.7 GiB, 0.6 GiB stayed free, and the worker was killed by the kernel's OOM
+killer while indexing its second 7K-token prompt, mid-serve.
+
+So the index's cap comes out of the worker's budget, where vLLM sizes it:
+
+* **KV cache sized by vLLM** (no ``VLLM_CPU_KVCACHE_SPACE`` / ``--kv-cache-memory-bytes``): the KV
+  cache gets the budget less the cap, so ``--gpu-memory-utilization`` covers both. A cap the user
+  did not set is at most half of what the KV cache would have had (small machines); a cap the user
+  set that leaves the KV cache nothing fails at start-up, naming the fix.
+* **KV cache sized by the user**: it is kept, and the cap must fit beside it in the memory the node
+  has free once the weights are loaded; otherwise start-up fails, naming the fix.
+
+``patch`` wraps the CPU worker's ``determine_available_memory`` (vLLM's own memory check, run in the
+worker after the weights load and before the KV cache is allocated); ``platform_hooks`` applies it
+in the worker process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from vllm_magicpig.config import CONFIG_KEY, MagicPigConfig, MagicPigConfigError, parse_config
+
+WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+MIB = 2**20
+GIB = 2**30
+# A cap the user did not set takes at most this share of the KV cache vLLM would have sized: the
+# default 4096 MiB is meant for machines where it is a small part, not all, of the memory.
+DEFAULT_CAP_SHARE = 0.5
+_MARK = "_magicpig_host_memory"
+logger = logging.getLogger("vllm.magicpig")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    kv_bytes: int  # what the worker's KV cache gets
+    index_mb: int  # the index's cap
+    note: str  # one line for the log: what was decided and why
+
+
+def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool, available_bytes: int) -> MemoryPlan:
+    """The worker's KV cache and index cap, from what vLLM would give its KV cache (``kv_bytes``),
+    whether the user sized it (``kv_explicit``) and the memory its node has free now, weights loaded
+    (``available_bytes``). Raises MagicPigConfigError, naming the fix, where they cannot both fit."""
+    given = "index_memory_mb" in cfg.given
+    cap = cfg.index_memory_mb * MIB
+    if kv_explicit:
+        if kv_bytes + cap > available_bytes:
+            room = max(0, (available_bytes - kv_bytes) // MIB)
+            raise MagicPigConfigError(
+                f"the KV cache you sized ({kv_bytes / GIB:.2f} GiB: VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes) "
+                f"and MAGICPIG's index cap ({cfg.index_memory_mb} MiB, index_memory_mb"
+                f"{'' if given else ', its default'}) do not fit in the {available_bytes / GIB:.2f} GiB this worker's "
+                f"memory node has free. Fix: a smaller KV cache, or "
+                + (f'"index_memory_mb": {room} or less' if room else "free memory on this machine")
+                + " in --additional-config")
+        return MemoryPlan(kv_bytes, cfg.index_memory_mb,
+                          f"MAGICPIG: the KV cache as sized ({kv_bytes / GIB:.2f} GiB) and the index's cap "
+                          f"({cfg.index_memory_mb} MiB) fit in the {available_bytes / GIB:.2f} GiB free")
+    if not given:
+        cap = min(cap, int(kv_bytes * DEFAULT_CAP_SHARE) // MIB * MIB)
+    if cap >= kv_bytes:
+        raise MagicPigConfigError(
+            f"MAGICPIG's index cap ({cfg.index_memory_mb} MiB, index_memory_mb) leaves vLLM's KV cache nothing of "
+            f"the {kv_bytes / GIB:.2f} GiB that --gpu-memory-utilization gives it on this machine. Fix: a smaller "
+            f"index_memory_mb (at most {int(kv_bytes * DEFAULT_CAP_SHARE) // MIB} keeps half for the KV cache), or "
+            f"a larger --gpu-memory-utilization")
+    return MemoryPlan(kv_bytes - cap, cap // MIB,
+                      f"MAGICPIG: the index's cap ({cap // MIB} MiB) comes out of the worker's memory budget "
+                      f"(--gpu-memory-utilization): the KV cache gets {(kv_bytes - cap) / GIB:.2f} GiB of the "
+                      f"{kv_bytes / GIB:.2f} GiB vLLM sized it to")
+
+
+def node_available_bytes() -> int:
+    """Free memory of the memory node this worker allocates from, as vLLM's CPU worker reads it."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    try:
+        node = get_allowed_cpu_list()[0].numa_node
+        return get_memory_node_info(node).available_memory
+    except Exception:  # noqa: BLE001 - no per-node view (one node, or an odd platform): the machine's
+        import psutil
+
+        return psutil.virtual_memory().available
+
+
+def _magicpig_selected(vllm_config) -> bool:
+    from vllm_magicpig import BACKEND_NAME
+
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
+
+
+def patch(worker_cls) -> None:
+    """Make ``worker_cls`` (vLLM's CPUWorker) size its KV cache with the index's cap taken into
+    account, when MAGICPIG is the attention backend. Idempotent."""
+    original = worker_cls.determine_available_memory
+    if getattr(original, _MARK, False):
+        return
+
+    def determine_available_memory(self) -> int:
+        kv_bytes = original(self)
+        vllm_config = self.vllm_config
+        if not _magicpig_selected(vllm_config):
+            return kv_bytes
+        cfg = parse_config(vllm_config.additional_config)
+        plan = plan_worker_memory(cfg, kv_bytes=kv_bytes,
+                                  kv_explicit=vllm_config.cache_config.kv_cache_memory_bytes is not None,
+                                  available_bytes=node_available_bytes())
+        if plan.index_mb != cfg.index_memory_mb:
+            # the runtime, created by the attention builders after this, parses the worker's config
+            additional = dict(vllm_config.additional_config or {})
+            additional[CONFIG_KEY] = {**dict(additional.get(CONFIG_KEY) or {}), "index_memory_mb": plan.index_mb}
+            vllm_config.additional_config = additional
+        logger.info("%s", plan.note)
+        return plan.kv_bytes
+
+    setattr(determine_available_memory, _MARK, True)
+    worker_cls.determine_available_memory = determine_available_memory
