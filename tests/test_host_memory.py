@@ -47,13 +47,18 @@ def test_a_given_cap_that_leaves_the_kv_cache_nothing_fails_naming_the_fix(cap_m
 def test_a_user_sized_kv_cache_is_kept_where_the_cap_fits_beside_it():
     plan = host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=True, available_bytes=10 * GIB)
     assert plan.kv_bytes == 2 * GIB and plan.index_mb == 4096
+    # with the working margin exactly: fits; one byte less free: does not
+    fit = 2 * GIB + 4096 * MIB + host_memory.WORKING_MARGIN
+    host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=True, available_bytes=fit)
+    with pytest.raises(MagicPigConfigError):
+        host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=True, available_bytes=fit - 1)
 
 
-@pytest.mark.parametrize("available_gib, fix", [(10, '"index_memory_mb": 2048 or less'), (7, "free memory")])
+@pytest.mark.parametrize("available_gib, fix", [(10, '"index_memory_mb": 1536 or less'), (8.4, "free memory")])
 def test_a_user_sized_kv_cache_and_a_cap_that_do_not_fit_fail_naming_the_fix(available_gib, fix):
     with pytest.raises(MagicPigConfigError) as e:
         host_memory.plan_worker_memory(cfg(), kv_bytes=8 * GIB, kv_explicit=True,
-                                       available_bytes=available_gib * GIB)
+                                       available_bytes=int(available_gib * GIB))
     msg = str(e.value)
     assert "VLLM_CPU_KVCACHE_SPACE" in msg and "its default" in msg and fix in msg, msg
 
@@ -97,7 +102,7 @@ def test_a_shrunk_cap_reaches_the_runtime_through_the_workers_config(patched):
 
 
 def test_the_patched_worker_checks_a_user_sized_cache_against_free_memory(patched, monkeypatch):
-    monkeypatch.setattr(host_memory, "node_available_bytes", lambda: 5 * GIB)
+    monkeypatch.setattr(host_memory, "node_available_bytes", lambda: 6 * GIB)
     assert patched(1 * GIB, explicit=1 * GIB).determine_available_memory() == 1 * GIB
     with pytest.raises(MagicPigConfigError, match="VLLM_CPU_KVCACHE_SPACE"):
         patched(2 * GIB, explicit=2 * GIB).determine_available_memory()
@@ -135,3 +140,29 @@ def test_an_engine_on_vllms_default_memory_sizing_leaves_the_index_its_room(mode
     assert free_after_start > 0.9 * cap_mb * MIB, (free_after_start / GIB, utilization)
     assert st["decode_sparse"] > 0 and st["index"]["segments_built"] == 2 * 28, st
     assert 0 < st["index_bytes"] + st["mirror_bytes"] <= cap_mb * MIB, st
+
+
+@pytest.mark.server
+def test_a_server_whose_kv_cache_leaves_the_cap_no_room_exits_at_startup_naming_the_fix(model_path, tmp_path):
+    """VLLM_CPU_KVCACHE_SPACE set to all but 3 GiB of what is free now (vLLM itself accepts it once the
+    server's processes and the weights have taken ~1.7 GiB of those), with the
+    default 4096 MiB cap: the server exits before it serves, never answering /health, and says what
+    to change. Before host_memory it started, and its index outgrew the machine mid-serve."""
+    import time
+
+    from vllm_magicpig.eval.openai_server import healthy, launch, stop
+
+    kv_gib = int(_available_bytes() // GIB) - 3
+    srv = launch(model_path, tmp_path / "server.log", {}, max_model_len=4096, kv_cache_gb=kv_gib)
+    t0, became_healthy = time.monotonic(), False
+    try:
+        while srv.proc.poll() is None and time.monotonic() - t0 < 180:
+            became_healthy |= healthy(srv.url)
+            time.sleep(0.5)
+        rc = srv.proc.poll()
+    finally:
+        stop(srv.proc)
+    out = srv.log()
+    assert rc is not None and rc != 0 and not became_healthy, (rc, srv.tail())
+    for part in ("VLLM_CPU_KVCACHE_SPACE", "index_memory_mb", "a smaller KV cache"):
+        assert part in out, (part, srv.tail())

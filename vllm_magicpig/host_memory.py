@@ -13,8 +13,9 @@ So the index's cap comes out of the worker's budget, where vLLM sizes it:
   cache gets the budget less the cap, so ``--gpu-memory-utilization`` covers both. A cap the user
   did not set is at most half of what the KV cache would have had (small machines); a cap the user
   set that leaves the KV cache nothing fails at start-up, naming the fix.
-* **KV cache sized by the user**: it is kept, and the cap must fit beside it in the memory the node
-  has free once the weights are loaded; otherwise start-up fails, naming the fix.
+* **KV cache sized by the user**: it is kept, and the cap must fit beside it, with 512 MiB to spare,
+  in the memory the node has free once the weights are loaded; otherwise start-up fails, naming the
+  fix.
 
 ``patch`` wraps the CPU worker's ``determine_available_memory`` (vLLM's own memory check, run in the
 worker after the weights load and before the KV cache is allocated); ``platform_hooks`` applies it
@@ -33,6 +34,9 @@ GIB = 2**30
 # A cap the user did not set takes at most this share of the KV cache vLLM would have sized: the
 # default 4096 MiB is meant for machines where it is a small part, not all, of the memory.
 DEFAULT_CAP_SHARE = 0.5
+# Beside a KV cache the user sized, memory the worker needs besides the KV cache and the index (a
+# build's scratch rows, the step's activations): a cap that fits only to the byte would not.
+WORKING_MARGIN = 512 * MIB
 _MARK = "_magicpig_host_memory"
 logger = logging.getLogger("vllm.magicpig")
 
@@ -51,18 +55,19 @@ def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool,
     given = "index_memory_mb" in cfg.given
     cap = cfg.index_memory_mb * MIB
     if kv_explicit:
-        if kv_bytes + cap > available_bytes:
-            room = max(0, (available_bytes - kv_bytes) // MIB)
+        if kv_bytes + cap + WORKING_MARGIN > available_bytes:
+            room = max(0, (available_bytes - kv_bytes - WORKING_MARGIN) // MIB)
             raise MagicPigConfigError(
                 f"the KV cache you sized ({kv_bytes / GIB:.2f} GiB: VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes) "
                 f"and MAGICPIG's index cap ({cfg.index_memory_mb} MiB, index_memory_mb"
-                f"{'' if given else ', its default'}) do not fit in the {available_bytes / GIB:.2f} GiB this worker's "
-                f"memory node has free. Fix: a smaller KV cache, or "
+                f"{'' if given else ', its default'}) do not fit, with {WORKING_MARGIN // MIB} MiB to spare, in the "
+                f"{available_bytes / GIB:.2f} GiB this worker's memory node has free. Fix: a smaller KV cache, or "
                 + (f'"index_memory_mb": {room} or less' if room else "free memory on this machine")
                 + " in --additional-config")
         return MemoryPlan(kv_bytes, cfg.index_memory_mb,
                           f"MAGICPIG: the KV cache as sized ({kv_bytes / GIB:.2f} GiB) and the index's cap "
-                          f"({cfg.index_memory_mb} MiB) fit in the {available_bytes / GIB:.2f} GiB free")
+                          f"({cfg.index_memory_mb} MiB) fit in the {available_bytes / GIB:.2f} GiB free, with "
+                          f"{WORKING_MARGIN // MIB} MiB to spare")
     if not given:
         cap = min(cap, int(kv_bytes * DEFAULT_CAP_SHARE) // MIB * MIB)
     if cap >= kv_bytes:
