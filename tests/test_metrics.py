@@ -93,7 +93,7 @@ def test_exporter_per_rank_monotonic_across_reset():
     idx = {"segments_built": 3, "segments_merged": 1, "centres_computed": 2, "segments_live": 3, "tokens_indexed": 900}
     ex.update({0: [
         snapshot(steps=20, sparse=40, exact={"dense_layer": 8}, index=idx, frac=0.05, index_bytes=1000, build=0.5,
-                 pooled_bytes=4 << 20),
+                 pooled_bytes=4 << 20, index_cap_bytes=3 << 30),
         snapshot(steps=20, sparse=30, exact={"dense_layer": 8, "evicted": 2}, index=idx, frac=0.07, index_bytes=900),
     ]})
     s = scrape_registry()
@@ -106,6 +106,7 @@ def test_exporter_per_rank_monotonic_across_reset():
     assert value(s, "vllm:magicpig_index_bytes", model_name=model) == 1900  # summed over ranks
     assert value(s, "vllm:magicpig_mirror_bytes", model_name=model, rank="0") == 2000
     assert value(s, "vllm:magicpig_pooled_bytes", model_name=model, rank="0") == 4 << 20
+    assert value(s, "vllm:magicpig_index_cap_bytes", model_name=model, rank="0") == 3 << 30
     assert value(s, "vllm:magicpig_segments_live", model_name=model, rank="0") == 3
     assert value(s, "vllm:magicpig_segments_total", model_name=model, rank="0", event="built") == 3
     assert value(s, "vllm:magicpig_segments_total", model_name=model, rank="0", event="merged") == 1
@@ -309,6 +310,7 @@ def test_metrics_endpoint_carries_magicpig_counters(model_path, tmp_path):
     assert frac is not None and 0 < frac < 1, mp_lines
     assert value(s, "vllm:magicpig_index_bytes", rank="0") > 0, mp_lines
     assert value(s, "vllm:magicpig_mirror_bytes", rank="0") > 0, mp_lines
+    assert value(s, "vllm:magicpig_index_cap_bytes", rank="0") == 4096 << 20, mp_lines  # the default cap, room for it
     assert value(s, "vllm:magicpig_segments_live", rank="0") > 0, mp_lines
     assert value(s, "vllm:magicpig_segments_total", event="built") > 0, mp_lines
     assert value(s, "vllm:magicpig_centres_total", event="computed") > 0, mp_lines

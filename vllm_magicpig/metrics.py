@@ -90,6 +90,7 @@ class _Metrics:
     mirror_bytes: Gauge
     pooled_bytes: Gauge
     held_bytes_peak: Gauge
+    index_cap_bytes: Gauge
     segments_live: Gauge
     segments: Counter
     centres: Counter
@@ -155,7 +156,9 @@ def metrics() -> _Metrics:
                                    "pages, already faulted); with index and mirror bytes it stays within "
                                    "index_memory_mb."),
                 held_bytes_peak=gauge("held_bytes_peak", "The most index + mirror bytes the worker has held at once "
-                                      "(compare with index_memory_mb)."),
+                                      "(compare with index_cap_bytes)."),
+                index_cap_bytes=gauge("index_cap_bytes", "The index's cap (index_memory_mb as the worker runs it: on "
+                                      "CPU, sized to fit beside the KV cache where it was not set)."),
                 segments_live=gauge("segments_live", "Index segments held now."),
                 segments=counter("segments", "Index segments built, merged (grown), evicted at the memory cap, "
                                  "invalidated by a KV write, refused (no room beside those in use).", ("event",)),
@@ -241,6 +244,7 @@ class Exporter:
         m.mirror_bytes.labels(*labels).set(snap.get("mirror_bytes") or 0)
         m.pooled_bytes.labels(*labels).set(snap.get("pooled_bytes") or 0)
         m.held_bytes_peak.labels(*labels).set(snap.get("held_bytes_peak") or 0)
+        m.index_cap_bytes.labels(*labels).set(snap.get("index_cap_bytes") or 0)
         m.segments_live.labels(*labels).set(index.get("segments_live") or 0)
         if snap.get("sampled_fraction") is not None:  # no series before the first sparse decode
             m.sampled_fraction.labels(*labels).set(snap["sampled_fraction"])

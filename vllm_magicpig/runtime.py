@@ -61,6 +61,7 @@ class MagicPigRuntime:
         self.ops: SparseDecodeOps = ops if ops is not None else CpuKernelOps()
         self.layout: KVLayout = layout if layout is not None else CpuVecLayout()
         self.cap_bytes = cfg.index_memory_mb * 2**20
+        self.stats.index_cap_bytes = self.cap_bytes
         self.ops.set_memory_cap(self.cap_bytes)
         self.ops.set_mirror_dtype(cfg.mirror_dtype)
         self.stats.add_section("memory_pool", self.ops.memory_pool_stats)

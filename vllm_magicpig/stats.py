@@ -44,6 +44,9 @@ class Stats:
         self.mirror_bytes = 0
         # the most index + mirror bytes ever held at once (a gauge of the worker's life: no reset)
         self.held_bytes_peak = 0
+        # the index's cap (index_memory_mb as this worker runs it: on CPU it may have been sized to fit
+        # beside the KV cache, host_memory.py), so a dashboard sets the bytes held against it
+        self.index_cap_bytes = 0
         self.index: Counter[str] = Counter()
         # called before the counters are read or reset: counts kept elsewhere for speed join them
         self._flushes: list[Callable[[], None]] = []
@@ -119,6 +122,7 @@ class Stats:
                 "index_bytes": self.index_bytes,
                 "mirror_bytes": self.mirror_bytes,
                 "held_bytes_peak": self.held_bytes_peak,
+                "index_cap_bytes": self.index_cap_bytes,
                 "build_seconds": round(self.build_seconds, 4),
                 "sparse_seconds": round(self.sparse_seconds, 4),
             }
@@ -151,7 +155,7 @@ def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
         return snaps[0]
     out: dict[str, Any] = {"workers": snaps}
     for key in ("steps", "decode_sparse", "prefill_tokens", "prefill_chunks", "index_bytes", "mirror_bytes",
-                "held_bytes_peak", "pooled_bytes"):
+                "held_bytes_peak", "pooled_bytes", "index_cap_bytes"):
         out[key] = sum(s.get(key, 0) for s in snaps)
     for key in ("decode_exact", "decode_by_method", "index", "layer_calls"):
         c: Counter[str] = Counter()
