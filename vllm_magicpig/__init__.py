@@ -19,6 +19,12 @@ _VLLM_HINT = (
 )
 
 
+def serves_magicpig(vllm_config) -> bool:
+    """Whether ``vllm_config`` selects the MAGICPIG attention backend."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return getattr(backend, "name", None) == BACKEND_NAME
+
+
 def require_vllm():
     """Import vLLM or fail with an error that says how to install it."""
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from vllm_magicpig import serves_magicpig
 from vllm_magicpig.config import CONFIG_KEY, MagicPigConfig, MagicPigConfigError, parse_config
 
 WORKER_MODULE = "vllm.v1.worker.cpu_worker"
@@ -68,13 +69,14 @@ def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool,
                           f"MAGICPIG: the KV cache as sized ({kv_bytes / GIB:.2f} GiB) and the index's cap "
                           f"({cfg.index_memory_mb} MiB) fit in the {available_bytes / GIB:.2f} GiB free, with "
                           f"{WORKING_MARGIN // MIB} MiB to spare")
+    share_mb = int(kv_bytes * DEFAULT_CAP_SHARE) // MIB  # the most an unset cap takes
     if not given:
-        cap = min(cap, int(kv_bytes * DEFAULT_CAP_SHARE) // MIB * MIB)
+        cap = min(cap, share_mb * MIB)
     if cap >= kv_bytes:
         raise MagicPigConfigError(
             f"MAGICPIG's index cap ({cfg.index_memory_mb} MiB, index_memory_mb) leaves vLLM's KV cache nothing of "
             f"the {kv_bytes / GIB:.2f} GiB that --gpu-memory-utilization gives it on this machine. Fix: a smaller "
-            f"index_memory_mb (at most {int(kv_bytes * DEFAULT_CAP_SHARE) // MIB} keeps half for the KV cache), or "
+            f"index_memory_mb (at most {share_mb} keeps half for the KV cache), or "
             f"a larger --gpu-memory-utilization")
     return MemoryPlan(kv_bytes - cap, cap // MIB,
                       f"MAGICPIG: the index's cap ({cap // MIB} MiB) comes out of the worker's memory budget "
@@ -95,13 +97,6 @@ def node_available_bytes() -> int:
         return psutil.virtual_memory().available
 
 
-def _magicpig_selected(vllm_config) -> bool:
-    from vllm_magicpig import BACKEND_NAME
-
-    backend = getattr(vllm_config.attention_config, "backend", None)
-    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
-
-
 def patch(worker_cls) -> None:
     """Make ``worker_cls`` (vLLM's CPUWorker) size its KV cache with the index's cap taken into
     account, when MAGICPIG is the attention backend. Idempotent."""
@@ -112,7 +107,7 @@ def patch(worker_cls) -> None:
     def determine_available_memory(self) -> int:
         kv_bytes = original(self)
         vllm_config = self.vllm_config
-        if not _magicpig_selected(vllm_config):
+        if not serves_magicpig(vllm_config):
             return kv_bytes
         cfg = parse_config(vllm_config.additional_config)
         plan = plan_worker_memory(cfg, kv_bytes=kv_bytes,

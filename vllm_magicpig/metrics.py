@@ -67,7 +67,7 @@ from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from vllm_magicpig import BACKEND_NAME
+from vllm_magicpig import serves_magicpig
 from vllm_magicpig.stats import EXACT_REASONS
 
 logger = init_logger(__name__)
@@ -257,11 +257,6 @@ class Exporter:
                     m.budget_L_built.labels(*labels, layer, target).set(c.get("L_built", c["L"]))
                     if c.get("sampled_fraction") is not None:
                         m.budget_fraction.labels(*labels, layer, target).set(c["sampled_fraction"])
-
-
-def serves_magicpig(vllm_config) -> bool:
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return getattr(backend, "name", None) == BACKEND_NAME
 
 
 def _calling_engine_client(max_depth: int = 12):
