@@ -153,6 +153,12 @@ def predicted_us(cm: dict, side: str, context: int) -> float:
     return lo + (hi - lo) * (context - 4096) / (16384 - 4096)
 
 
+def slower_steps(start: int | None, prompt_len: int, decodes: int) -> int:
+    """How many of a request's ``decodes`` decode steps run at a context (the prompt's length + 1 to +
+    ``decodes``) below ``start``, the cost model's ``sampling_pays_from_keys`` (None: no context)."""
+    return sum(1 for k in range(1, decodes + 1) if start is None or prompt_len + k < start)
+
+
 @pytest.mark.e2e
 def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model_path):
     """A real engine with the default config: its worker calibrates at start-up, so a cold 3000-token
@@ -167,8 +173,9 @@ def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model
 
     llm = make_llm(model_path)  # no additional_config: MAGICPIG's defaults, cost model on
     prompt = passkey.build(llm.get_tokenizer(), 3000, seed=5, depth=0.5)
-    out = llm.generate([prompt.text], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    result = llm.generate([prompt.text], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                          use_tqdm=False)[0]
+    out = result.outputs[0]
     st = stats(llm)
     del llm
     record = st["cost_model"]["calibration"]
@@ -180,18 +187,13 @@ def test_a_fresh_engine_serves_a_one_off_question_exactly_without_building(model
     assert exact.get("index_cannot_pay", 0) + exact.get("sampling_slower", 0) == sparse_decodes, st
     assert "index_deferred" not in exact, st
     assert st["build_seconds"] == 0 and st["index_bytes"] == 0, st
-    # Why, by this machine's costs: where sampling 3000 keys is predicted faster (the AMD machine), the
-    # bound says a build cannot pay back in 24 decodes; where it is slower, every decode says that.
-    # The fits are linear in the context (per request + per key), so 3000 keys are read off the
-    # stats' 4K and 16K predictions (a scaled prior's factor also moves with the context a little;
-    # the labels follow the predictions step by step, so within 10% of each other they may mix).
-    cm = st["cost_model"]
-
-    ratio = predicted_us(cm, "sparse", 3000) / predicted_us(cm, "exact", 3000)
-    if ratio < 0.9:
-        assert exact.get("index_cannot_pay", 0) > 0, (ratio, st)
-    elif ratio > 1.1:
-        assert exact.get("sampling_slower", 0) == sparse_decodes, (ratio, st)
+    # Why, by this machine's costs, decode by decode: at a context where sampling is predicted faster
+    # (the AMD machine), the bound says a build cannot pay back in 24 decodes; where slower, the
+    # decode says that. Sampling never ran live, so the model's line stood where the calibration put
+    # it throughout (test_cost_model.py).
+    expected = 28 * slower_steps(st["cost_model"]["sampling_pays_from_keys"], len(result.prompt_token_ids),
+                                 len(out.token_ids) - 1)
+    assert abs(exact.get("sampling_slower", 0) - expected) <= 28, (expected, st)
 
 
 def test_a_calibration_that_fails_leaves_the_worker_serving(vllm_env, monkeypatch):  # noqa: F811
@@ -224,9 +226,11 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
       live level it put sampling at ~190 us on AMX), its first sampled decodes time it, and from then
       on its decodes are served exactly, ``sampling_slower``: the build is the price of learning that.
 
-    In every branch the decisions must agree with what the cost model believes at the end (its fits
-    at 3000 keys, read off the stats' 4K and 16K predictions, which are linear in the context): most
-    decodes sampled only where sampling is predicted faster, ``sampling_slower`` only where slower.
+    In every branch the decisions must agree with what the cost model believes: where nothing was
+    built, each decode's reason with the side of the model's line (``sampling_pays_from_keys``) its
+    context is on; where the fifth was built, with its fits at 3000 keys at the end (read off the
+    stats' 4K and 16K predictions): most decodes sampled only where sampling is predicted faster,
+    ``sampling_slower`` only where slower.
     A silent fallback to exact attention fails either way (not sampled where faster, or labelled
     slower where it is not); a lost build that kept sampling where slower fails too.
 
@@ -245,7 +249,7 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
     for i in range(4):
         llm.generate([passkey.build(tok, 3000, seed=20 + i, depth=0.5).text], params, use_tqdm=False)
     before = stats(llm)
-    llm.generate([passkey.build(tok, 3000, seed=30, depth=0.5).text], params, use_tqdm=False)
+    fifth = llm.generate([passkey.build(tok, 3000, seed=30, depth=0.5).text], params, use_tqdm=False)[0]
     after = stats(llm)
     del llm
     assert before["answers_recorded"] == 4 and before["answer_groups"] == {256: 4}, before
@@ -274,7 +278,13 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
         assert "index_deferred" not in after["decode_exact"], after["decode_exact"]
         assert set(new_exact) <= {"dense_layer", "sampling_slower", "index_cannot_pay"}, new_exact
         assert new_exact.get("sampling_slower", 0) + new_exact.get("index_cannot_pay", 0) == sparse_decodes, new_exact
-        # where sampling is predicted slower, most decodes say so (exploring steps, 1 in 16, judge the
-        # build unpayable); where a little faster, too little to pay the build back in 400 decodes
-        why = "index_cannot_pay" if sampling_faster else "sampling_slower"
-        assert new_exact.get(why, 0) > sparse_decodes * 3 // 4, (new_exact, cm)
+        # Each decode says which side of the cost model's line its context is on: below the context
+        # from which sampling is predicted to pay, ``sampling_slower``; above it, faster but by too
+        # little to pay the build back in the decodes left, ``index_cannot_pay``. Sampling never ran
+        # live here, so the line stood where the calibration put it throughout (exact attention's
+        # live level scales both sides alike: test_cost_model.py). The answer's contexts run from
+        # the prompt's length + 1 to + 399, and the line may fall among them (CI's AMX machine put
+        # it at ~3250 keys: 252 steps slower, 147 faster), so the counts are checked per context,
+        # give or take a step at the line.
+        expected = 28 * slower_steps(cm["sampling_pays_from_keys"], len(fifth.prompt_token_ids), 399)
+        assert abs(new_exact.get("sampling_slower", 0) - expected) <= 28, (expected, new_exact, cm)

@@ -497,6 +497,52 @@ def test_a_calibration_that_timed_nothing_leaves_the_model_as_it_was():
     assert m.snapshot()["calibration"]["skipped"]
 
 
+def test_sampling_pays_from_the_context_where_the_fits_cross():
+    """``sampling_pays_from``: the shortest context from which sampling is predicted no slower, the
+    line below which decodes are served exactly as ``sampling_slower``. The synthetic costs cross at
+    (60 - 1) us / (0.04 - 0.002) us per key = 1552.6 keys; the fits, from the same costs, say so, and
+    the non-exploring decisions agree with it on both sides of the line."""
+    assert DecodeCostModel().sampling_pays_from() is None  # nothing measured: no line yet
+    m = trained()
+    start = m.sampling_pays_from()
+    assert start == 1553, start
+    e, s = m.predicted(start)
+    assert s <= e
+    e, s = m.predicted(start - 1)
+    assert s > e
+    m.begin_step()  # step 33 of explore_every 16: not exploring
+    assert not m.sampling_pays(start - 1) and m.sampling_pays(start)
+    assert m.snapshot()["sampling_pays_from_keys"] == start
+    assert "sampled from 1553 keys" in m.summary()
+
+
+def test_where_sampling_never_pays_there_is_no_line():
+    """Sampling dearer per key than exact attention and dearer per request: slower at every context
+    up to 1M keys."""
+    m = calibrated(sparse=(60e-6, 5e-8))
+    assert m.sampling_pays_from() is None
+    assert m.snapshot()["sampling_pays_from_keys"] is None
+    assert "sampled from no context" in m.summary()
+
+
+def test_the_line_stays_where_the_calibration_put_it_while_sampling_is_on_its_prior():
+    """While sampling has no live timings, its prior is scaled by exact attention's live level
+    (``_prior_scale``), so exact attention's live cost moving does not move the line: the AMX
+    machine's calibrated costs (exact 0.03 us a key, sampling a flat 140 us) cross at 4667 keys,
+    before exact attention is timed live at 2.5x and after."""
+    exact_cal, sparse_cal = (0.0, 3e-8), (140e-6, 0.0)
+    m = DecodeCostModel(min_steps=16)
+    m.calibrate([(1, n, cost(exact_cal, 1, n)) for n in (1092, 2991, 8192)],
+                [(1, n, cost(sparse_cal, 1, n)) for n in (1092, 2991, 8192)],
+                (8192, 8192 * BUILD_PER_TOKEN), {"contexts": [1092, 2991, 8192]})
+    assert m.sampling_pays_from() in (4667, 4668)
+    for i in range(200):  # live exact steps at 2.5x the calibration, over a growing context
+        m.begin_step()
+        m.observe_exact(1, 3000 + i, 2.5 * cost(exact_cal, 1, 3000 + i), layers=30)
+    assert m.snapshot()["prior_scale@4096"][1] > 2.0
+    assert m.sampling_pays_from() in (4667, 4668)
+
+
 def test_the_stats_log_line_says_what_the_model_believes():
     """The periodic stats line carries the fitted costs at 4K and 16K, the build's cost and the
     prompts waiting for their build, so a server log shows why decodes were served exactly; nothing

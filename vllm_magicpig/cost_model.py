@@ -85,6 +85,7 @@ from vllm_magicpig.answer_lengths import Outlook
 from vllm_magicpig.stats import EXACT_INDEX_CANNOT_PAY, EXACT_INDEX_DEFERRED, EXACT_SAMPLING_SLOWER
 
 KEY_SCALE = 1e-4  # keys in units of 10K: keeps the 2x2 system well conditioned
+LONGEST_CONTEXT = 1 << 20  # where sampling_pays_from stops looking (keys, one request)
 MAX_ACCOUNTS = 1 << 15  # deferred prompts whose savings are remembered (least recent forgotten)
 
 
@@ -280,6 +281,32 @@ class DecodeCostModel:
             p = self._predict(context)
         return None if p is None else (p[0] * p[2][0], p[1] * p[2][1])
 
+    def sampling_pays_from(self, longest: int = LONGEST_CONTEXT) -> int | None:
+        """The shortest context (keys, one request) from which sampling is predicted no slower than
+        exact attention at every longer context up to ``longest``, as the fits stand: shorter ones are
+        served exactly as ``sampling_slower`` (outside exploring steps). None until both sides are
+        measured, or where sampling is predicted slower at ``longest``.
+
+        Each side's prediction is linear in the context, or one side's scaled prior (a linear fit
+        times the other side's live-to-calibrated ratio), which compares with the other as its prior
+        with the other's calibration: linear against linear either way, so whether sampling pays
+        changes at most once along the context, and a bisection finds where."""
+        with self._lock:
+            def pays(n: int) -> bool:
+                p = self._predict(n)
+                return p is not None and p[1] * p[2][1] <= p[0] * p[2][0]
+
+            if not pays(longest):
+                return None
+            lo, hi = 0, longest  # pays(hi); lo: none shorter than 1 key
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if pays(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            return hi
+
     def _predict(self, context: int) -> tuple[float, float, tuple[float, float]] | None:
         """(exact, sampled, their prior scales) as the fits stand; the caller holds the lock."""
         if self.exact.steps < self.min_steps or self.sparse.steps < self.min_steps:
@@ -379,6 +406,9 @@ class DecodeCostModel:
             p = self.predicted(n)
             if p is not None:
                 parts.append(f"{n // 1024}K exact/sampled us {p[0] * 1e6:.0f}/{p[1] * 1e6:.0f}")
+        if parts:
+            start = self.sampling_pays_from()
+            parts.append("sampled from " + (f"{start} keys" if start is not None else "no context"))
         with self._lock:
             per_token = self.build.per_token()
             deferred = len(self._saved)
@@ -390,7 +420,8 @@ class DecodeCostModel:
 
     def snapshot(self) -> dict:
         """What the model believes (for the stats): per-request seconds per layer at 4K/16K/64K keys,
-        and a build's seconds per 1K tokens and layer."""
+        the context from which sampling is predicted to pay (``sampling_pays_from_keys``, None: at no
+        context up to 1M keys), and a build's seconds per 1K tokens and layer."""
         out = {"exact_steps": self.exact.steps, "sparse_steps": self.sparse.steps, "builds": self.build.builds,
                "deferred_prompts": len(self._saved), "built_on_outlook": self.built_on_outlook,
                "sampled_octaves": sorted(1 << o for o in self._sampled_octaves),
@@ -409,4 +440,6 @@ class DecodeCostModel:
                 out[f"sparse_us@{n}"] = round(s * scale[1] * 1e6, 1)
                 if n == 4096:
                     out["prior_scale@4096"] = [round(f, 2) for f in scale]
+        if "exact_us@4096" in out:
+            out["sampling_pays_from_keys"] = self.sampling_pays_from()
         return out
