@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -137,6 +138,20 @@ def test_prompts_built_on_outlook_count_the_workers_life():
     assert value(scrape_registry(), "vllm:magicpig_prompts_built_on_outlook_total", **series) == 3
     ex.update({0: [snapshot(steps=2, cost_model={"built_on_outlook": 4})]})  # stats reset; one more build
     assert value(scrape_registry(), "vllm:magicpig_prompts_built_on_outlook_total", **series) == 4
+
+
+def test_the_cost_models_line_is_a_gauge_once_it_predicts():
+    """``sampling_pays_from_keys``: no series before the cost model predicts, its context after, and
+    +Inf where sampling pays at no context (the stats' null)."""
+    model = "unit-line"
+    ex = Exporter(model)
+    series = dict(model_name=model, rank="0")
+    ex.update({0: [snapshot(steps=5, cost_model={"built_on_outlook": 0})]})
+    assert value(scrape_registry(), "vllm:magicpig_sampling_pays_from_keys", **series) is None
+    ex.update({0: [snapshot(steps=6, cost_model={"built_on_outlook": 0, "sampling_pays_from_keys": 3251})]})
+    assert value(scrape_registry(), "vllm:magicpig_sampling_pays_from_keys", **series) == 3251
+    ex.update({0: [snapshot(steps=7, cost_model={"built_on_outlook": 0, "sampling_pays_from_keys": None})]})
+    assert value(scrape_registry(), "vllm:magicpig_sampling_pays_from_keys", **series) == math.inf
 
 
 def test_raw_sample_counters_when_stats_report_them():

@@ -55,6 +55,7 @@ server runs another backend.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import threading
 import time
@@ -98,6 +99,7 @@ class _Metrics:
     build_seconds: Counter
     sparse_seconds: Counter
     built_on_outlook: Counter
+    sampling_pays_from: Gauge
     budget_K: Gauge
     budget_L: Gauge
     budget_L_built: Gauge
@@ -170,6 +172,10 @@ def metrics() -> _Metrics:
                 built_on_outlook=counter(
                     "prompts_built_on_outlook", "Prompts indexed at their first decode, before ski rental had "
                     "paid for them, because answers like their request's have run long (answer_lengths.py)."),
+                sampling_pays_from=gauge(
+                    "sampling_pays_from_keys", "The cost model's line: the shortest context (keys, one request) "
+                    "from which sampling is predicted to pay; decodes at shorter contexts are served exactly "
+                    "(sampling_slower). +Inf: at no context up to 1M keys. No series until the model predicts."),
                 budget_K=gauge("budget_K", "Budget mode: the K of a sparse layer's latest request choice for a target.",
                                ("layer", "target")),
                 budget_L=gauge("budget_L", "Budget mode: the L (tables read, as steered) of a sparse layer's latest "
@@ -238,7 +244,11 @@ class Exporter:
         count(m.build_seconds, snap.get("build_seconds"))
         count(m.sparse_seconds, snap.get("sparse_seconds"))
         # the cost model's count runs for the worker's life: magicpig_reset_stats does not restart it
-        count(m.built_on_outlook, (snap.get("cost_model") or {}).get("built_on_outlook"), restarts_on_reset=False)
+        cost = snap.get("cost_model") or {}
+        count(m.built_on_outlook, cost.get("built_on_outlook"), restarts_on_reset=False)
+        if "sampling_pays_from_keys" in cost:  # once the model predicts (None: no context pays)
+            start = cost["sampling_pays_from_keys"]
+            m.sampling_pays_from.labels(*labels).set(math.inf if start is None else start)
 
         m.index_bytes.labels(*labels).set(snap.get("index_bytes") or 0)
         m.mirror_bytes.labels(*labels).set(snap.get("mirror_bytes") or 0)
