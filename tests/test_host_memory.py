@@ -63,6 +63,43 @@ def test_a_user_sized_kv_cache_and_a_cap_that_do_not_fit_fail_naming_the_fix(ava
     assert "VLLM_CPU_KVCACHE_SPACE" in msg and "its default" in msg and fix in msg, msg
 
 
+def test_ranks_on_one_node_check_their_user_sized_caches_and_caps_together():
+    """Two ranks on one memory node plan at the same moment, each seeing all of its free memory: a
+    2 GiB KV cache and the default 4 GiB cap fit one rank in 10 GiB, and two only in 13 GiB."""
+    one = 2 * GIB + 4096 * MIB + host_memory.WORKING_MARGIN
+    plan = host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=True, available_bytes=2 * one,
+                                          ranks_on_node=2)
+    assert plan.kv_bytes == 2 * GIB and plan.index_mb == 4096 and "each of the 2 ranks" in plan.note
+    with pytest.raises(MagicPigConfigError) as e:
+        host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=True, available_bytes=10 * GIB,
+                                       ranks_on_node=2)
+    msg = str(e.value)
+    # 5 GiB a rank, less the KV cache and the margin: 2560 MiB of cap each
+    assert "each of the 2 ranks on this memory node" in msg and '"index_memory_mb": 2560 or less' in msg, msg
+    host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=True, available_bytes=10 * GIB)  # alone
+
+
+def test_ranks_on_one_node_share_the_budget_vllm_gave_each_as_if_alone():
+    """vLLM sizes each rank's KV cache to --gpu-memory-utilization of the whole node less that
+    rank's weights (20 GiB = 21.5 - 1.5): two ranks share the 21.5, each 10.75 less its 1.5 of
+    weights, 9.25 GiB, and the default cap comes out of that."""
+    plan = host_memory.plan_worker_memory(cfg(), kv_bytes=20 * GIB, kv_explicit=False, available_bytes=21 * GIB,
+                                          ranks_on_node=2, weights_bytes=3 * GIB // 2)
+    assert plan.index_mb == 4096 and plan.kv_bytes == 9 * GIB + GIB // 4 - 4096 * MIB, plan
+    assert "this rank's share of the 20.00 GiB" in plan.note and "1 more rank" in plan.note, plan.note
+    alone = host_memory.plan_worker_memory(cfg(), kv_bytes=20 * GIB, kv_explicit=False, available_bytes=21 * GIB,
+                                           weights_bytes=3 * GIB // 2)
+    assert alone.kv_bytes == 16 * GIB  # one rank: the weights are already out of vLLM's figure
+
+
+def test_a_node_share_that_leaves_the_kv_cache_nothing_fails_naming_the_fix():
+    with pytest.raises(MagicPigConfigError) as e:
+        host_memory.plan_worker_memory(cfg(), kv_bytes=2 * GIB, kv_explicit=False, available_bytes=21 * GIB,
+                                       ranks_on_node=4, weights_bytes=2 * GIB)
+    msg = str(e.value)
+    assert "4 ranks" in msg and "--gpu-memory-utilization" in msg and "VLLM_CPU_KVCACHE_SPACE" in msg, msg
+
+
 class StandInWorker:
     """A STAND-IN for vLLM's CPUWorker: its determine_available_memory returns a fixed size."""
 

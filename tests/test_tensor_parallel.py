@@ -320,3 +320,63 @@ def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, mode
         assert record["heads"] == [NUM_HEADS // 2, NUM_KV_HEADS // 2, HEAD_DIM], (rank, record)
         assert record["contexts"] == expected, (rank, record)
         assert s["decode_sparse"] == 0 and s["build_seconds"] == 0, (rank, s["decode_exact"])
+
+
+def _tp_model(tmp_path_factory, model_path, name: str) -> Path:
+    path = tmp_path_factory.mktemp(name)
+    _write_model(path, Path(model_path))
+    return path
+
+
+def test_two_ranks_on_one_node_share_vllms_memory_budget(tmp_path_factory, model_path):
+    """No VLLM_CPU_KVCACHE_SPACE: vLLM sizes each rank's KV cache to --gpu-memory-utilization of the
+    whole node less that rank's weights, as if it were alone there, and zeroes it at start-up. At the
+    utilization set here two ranks alone would ask for ~1.3x the memory free now; MAGICPIG's memory
+    plan (host_memory.py: the ranks count who shares the node) gives each its share, takes the index
+    cap out of it, and the caps stay free after start-up while both ranks index and sample."""
+    import psutil
+    from vllm import LLM, SamplingParams
+
+    from vllm_magicpig.host_memory import GIB, node_available_bytes
+
+    path = _tp_model(tmp_path_factory, model_path, "tiny_llama_tp_vllm_sized")
+    free_before = node_available_bytes()
+    utilization = round(0.65 * min(free_before, 24 * GIB) / psutil.virtual_memory().total, 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        llm = LLM(model=str(path), attention_backend="MAGICPIG", tensor_parallel_size=2, enforce_eager=True,
+                  max_model_len=2048, seed=0, distributed_executor_backend="mp", gpu_memory_utilization=utilization,
+                  additional_config={"magicpig": MAGICPIG})
+    try:
+        free_after_start = node_available_bytes()
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        llm.generate([{"prompt_token_ids": p} for p in _prompts(vocab)],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        snaps = llm.collective_rpc("magicpig_stats")
+    finally:
+        _shut_down(llm)
+        del llm
+        gc.collect()
+    caps = [s["index_cap_bytes"] for s in snaps]
+    print(f"free {free_before / GIB:.2f} GiB before, {free_after_start / GIB:.2f} after start-up; "
+          f"utilization {utilization}; caps {[c / GIB for c in caps]} GiB")
+    assert len(snaps) == 2 and all(0 < c < 4096 << 20 for c in caps), caps  # shrunk to each rank's share
+    assert free_after_start > 0.9 * sum(caps), (free_after_start / GIB, caps)
+    for rank, s in enumerate(snaps):
+        assert s["decode_sparse"] > 0 and s["index_bytes"] > 0, (rank, s["decode_exact"])
+
+
+def test_two_ranks_on_one_node_whose_caps_fit_only_one_fail_at_startup(tmp_path_factory, model_path, capfd):
+    """A 1 GiB KV cache per rank (VLLM_CPU_KVCACHE_SPACE) and a cap that fits beside it for one rank in
+    the memory free now, not for two: start-up fails, naming the fix. Each rank checked the node's
+    free memory alone before, and both started."""
+    from vllm_magicpig.host_memory import MIB, node_available_bytes
+
+    path = _tp_model(tmp_path_factory, model_path, "tiny_llama_tp_user_sized")
+    cap_mb = int(0.75 * node_available_bytes()) // MIB - 1536  # one rank: 0.75 of free; two: 1.5
+    with pytest.raises(Exception):  # noqa: B017 - vLLM reports a worker's start-up failure as its own error
+        _start(str(path), "MAGICPIG", 2, {**MAGICPIG, "index_memory_mb": cap_mb})
+    err = capfd.readouterr().err
+    assert "each of the 2 ranks on this memory node" in err and f"({cap_mb} MiB, index_memory_mb)" in err, err[-3000:]
+    assert '"index_memory_mb": ' in err, err[-3000:]

@@ -17,6 +17,15 @@ So the index's cap comes out of the worker's budget, where vLLM sizes it:
   in the memory the node has free once the weights are loaded; otherwise start-up fails, naming the
   fix.
 
+Tensor- or pipeline-parallel ranks on one memory node (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on a
+one-node machine) run this check at the same moment: after every rank has loaded its weights (a
+collective step of vLLM's start-up) and before any allocates its KV cache (the next one). Each then
+sees the node's whole free memory, and vLLM sizes each rank's KV cache as if it were alone on the
+node, so two ranks asked for twice what the node has. So the ranks count how many share the node
+(``ranks_sharing_node``), and the plan divides it: where vLLM sizes the KV cache, each rank's
+budget is its share of ``--gpu-memory-utilization`` of the node, less its own weights; where the
+user sizes it, every rank's KV cache and cap must fit in the free memory together.
+
 ``patch`` wraps the CPU worker's ``determine_available_memory`` (vLLM's own memory check, run in the
 worker after the weights load and before the KV cache is allocated); ``platform_hooks`` applies it
 in the worker process.
@@ -49,26 +58,44 @@ class MemoryPlan:
     note: str  # one line for the log: what was decided and why
 
 
-def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool, available_bytes: int) -> MemoryPlan:
+def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool, available_bytes: int,
+                       ranks_on_node: int = 1, weights_bytes: int = 0) -> MemoryPlan:
     """The worker's KV cache and index cap, from what vLLM would give its KV cache (``kv_bytes``),
     whether the user sized it (``kv_explicit``) and the memory its node has free now, weights loaded
-    (``available_bytes``). Raises MagicPigConfigError, naming the fix, where they cannot both fit."""
+    (``available_bytes``). ``ranks_on_node``: the parallel ranks allocating from this node, this one
+    included, all planning now (module docs); ``weights_bytes``: what vLLM counted as this worker's
+    non-KV memory when it sized ``kv_bytes`` (its resident set), needed to share a vLLM-sized budget.
+    Raises MagicPigConfigError, naming the fix, where they cannot all fit."""
     given = "index_memory_mb" in cfg.given
     cap = cfg.index_memory_mb * MIB
+    ranks = max(1, ranks_on_node)
+    sharing = f", for each of the {ranks} ranks on this memory node," if ranks > 1 else ""
     if kv_explicit:
-        if kv_bytes + cap + WORKING_MARGIN > available_bytes:
-            room = max(0, (available_bytes - kv_bytes - WORKING_MARGIN) // MIB)
+        if ranks * (kv_bytes + cap + WORKING_MARGIN) > available_bytes:
+            room = max(0, (available_bytes // ranks - kv_bytes - WORKING_MARGIN) // MIB)
             raise MagicPigConfigError(
                 f"the KV cache you sized ({kv_bytes / GIB:.2f} GiB: VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes) "
                 f"and MAGICPIG's index cap ({cfg.index_memory_mb} MiB, index_memory_mb"
-                f"{'' if given else ', its default'}) do not fit, with {WORKING_MARGIN // MIB} MiB to spare, in the "
-                f"{available_bytes / GIB:.2f} GiB this worker's memory node has free. Fix: a smaller KV cache, or "
-                + (f'"index_memory_mb": {room} or less' if room else "free memory on this machine")
+                f"{'' if given else ', its default'}){sharing} do not fit, with {WORKING_MARGIN // MIB} MiB to "
+                f"spare, in the {available_bytes / GIB:.2f} GiB this worker's memory node has free. Fix: a smaller KV "
+                "cache, or " + (f'"index_memory_mb": {room} or less' if room else "free memory on this machine")
                 + " in --additional-config")
         return MemoryPlan(kv_bytes, cfg.index_memory_mb,
                           f"MAGICPIG: the KV cache as sized ({kv_bytes / GIB:.2f} GiB) and the index's cap "
-                          f"({cfg.index_memory_mb} MiB) fit in the {available_bytes / GIB:.2f} GiB free, with "
-                          f"{WORKING_MARGIN // MIB} MiB to spare")
+                          f"({cfg.index_memory_mb} MiB){sharing} fit in the {available_bytes / GIB:.2f} GiB free, "
+                          f"with {WORKING_MARGIN // MIB} MiB to spare")
+    sized = kv_bytes
+    if ranks > 1:
+        # vLLM gave each rank --gpu-memory-utilization of the whole node less its own weights; the
+        # ranks share that budget
+        kv_bytes = (kv_bytes + weights_bytes) // ranks - weights_bytes
+        if kv_bytes <= 0:
+            raise MagicPigConfigError(
+                f"--gpu-memory-utilization's share of this memory node for each of its {ranks} ranks "
+                f"({(sized + weights_bytes) / ranks / GIB:.2f} GiB) is no more than a rank's weights and "
+                f"working memory ({weights_bytes / GIB:.2f} GiB): it leaves the KV cache nothing. Fix: a larger "
+                "--gpu-memory-utilization, fewer ranks on this node, or size the KV cache yourself "
+                "(VLLM_CPU_KVCACHE_SPACE)")
     share_mb = int(kv_bytes * DEFAULT_CAP_SHARE) // MIB  # the most an unset cap takes
     if not given:
         cap = min(cap, share_mb * MIB)
@@ -78,23 +105,54 @@ def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool,
             f"the {kv_bytes / GIB:.2f} GiB that --gpu-memory-utilization gives it on this machine. Fix: a smaller "
             f"index_memory_mb (at most {share_mb} keeps half for the KV cache), or "
             f"a larger --gpu-memory-utilization")
+    of = (f"{kv_bytes / GIB:.2f} GiB, this rank's share of the {sized / GIB:.2f} GiB vLLM sized it to as if "
+          f"alone on its memory node with {ranks - 1} more rank{'s' if ranks > 2 else ''}" if ranks > 1
+          else f"{kv_bytes / GIB:.2f} GiB vLLM sized it to")
     return MemoryPlan(kv_bytes - cap, cap // MIB,
                       f"MAGICPIG: the index's cap ({cap // MIB} MiB) comes out of the worker's memory budget "
-                      f"(--gpu-memory-utilization): the KV cache gets {(kv_bytes - cap) / GIB:.2f} GiB of the "
-                      f"{kv_bytes / GIB:.2f} GiB vLLM sized it to")
+                      f"(--gpu-memory-utilization): the KV cache gets {(kv_bytes - cap) / GIB:.2f} GiB of the {of}")
+
+
+def _memory_node() -> int | None:
+    """The memory node this worker allocates from, as vLLM's CPU worker finds it (None: no view)."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+
+    try:
+        return get_allowed_cpu_list()[0].numa_node
+    except Exception:  # noqa: BLE001 - an odd platform: one node, as far as this plan can tell
+        return None
 
 
 def node_available_bytes() -> int:
     """Free memory of the memory node this worker allocates from, as vLLM's CPU worker reads it."""
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+    from vllm.utils.cpu_resource_utils import get_memory_node_info
 
     try:
-        node = get_allowed_cpu_list()[0].numa_node
-        return get_memory_node_info(node).available_memory
+        return get_memory_node_info(_memory_node()).available_memory
     except Exception:  # noqa: BLE001 - no per-node view (one node, or an odd platform): the machine's
         import psutil
 
         return psutil.virtual_memory().available
+
+
+def ranks_sharing_node() -> int:
+    """How many ranks of this worker's parallel world (tensor and pipeline parallel) allocate from
+    its memory node, itself included: one all-gather of (host, node) over the world's CPU group.
+    Every rank runs it, in the same start-up step (``determine_available_memory``)."""
+    import socket
+
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    if not dist.is_initialized():  # no parallel world (a stand-in worker): alone
+        return 1
+    group = get_world_group()
+    if group.world_size == 1:
+        return 1
+    mine = (socket.gethostname(), _memory_node())
+    everyone: list = [None] * group.world_size
+    dist.all_gather_object(everyone, mine, group=group.cpu_group)
+    return sum(1 for theirs in everyone if theirs == mine)
 
 
 def patch(worker_cls) -> None:
@@ -109,10 +167,14 @@ def patch(worker_cls) -> None:
         vllm_config = self.vllm_config
         if not serves_magicpig(vllm_config):
             return kv_bytes
+        import psutil
+
         cfg = parse_config(vllm_config.additional_config)
+        # vLLM's own sizing counted this resident set as the non-KV memory (cpu_worker.py)
         plan = plan_worker_memory(cfg, kv_bytes=kv_bytes,
                                   kv_explicit=vllm_config.cache_config.kv_cache_memory_bytes is not None,
-                                  available_bytes=node_available_bytes())
+                                  available_bytes=node_available_bytes(), ranks_on_node=ranks_sharing_node(),
+                                  weights_bytes=psutil.Process().memory_info().rss)
         if plan.index_mb != cfg.index_memory_mb:
             # the runtime, created by the attention builders after this, parses the worker's config
             additional = dict(vllm_config.additional_config or {})
