@@ -150,14 +150,18 @@ def _run(model: str, backend: str, tp: int, prompts: list[list[int]]) -> dict:
     return result
 
 
-def _start(model: str, backend: str, tp: int, magicpig: dict | None, **engine_kwargs):
-    """An engine of ``tp`` ranks, one core each (``VLLM_CPU_OMP_THREADS_BIND``), with a 1 GiB KV cache."""
+def _start(model: str, backend: str, tp: int, magicpig: dict | None, kv_cache_gb: int | None = 1, **engine_kwargs):
+    """An engine of ``tp`` ranks, one core each (``VLLM_CPU_OMP_THREADS_BIND``), with a KV cache of
+    ``kv_cache_gb`` (None: sized by vLLM, to ``gpu_memory_utilization``)."""
     from vllm import LLM
 
     with pytest.MonkeyPatch.context() as mp:
         if tp > 1:
             mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        if kv_cache_gb is None:
+            mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        else:
+            mp.setenv("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         kwargs = dict(model=model, attention_backend=backend, tensor_parallel_size=tp, enforce_eager=True,
                       max_model_len=2048, seed=0, **engine_kwargs)
         if tp > 1:
@@ -172,6 +176,20 @@ def _shut_down(llm) -> None:
     engine_core = getattr(llm.llm_engine, "engine_core", None)
     if engine_core is not None and hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
+
+
+def _decode_and_stop(llm, prompts: list[list[int]]) -> list[dict]:
+    """Four greedy tokens for each prompt, then every rank's stats, and the engine stopped."""
+    from vllm import SamplingParams
+
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        return llm.collective_rpc("magicpig_stats")
+    finally:
+        _shut_down(llm)
+        del llm
+        gc.collect()
 
 
 def _generate(llm, backend: str, prompts: list[list[int]]) -> dict:
@@ -294,7 +312,6 @@ def test_near_exact_sampling_tp2_agrees_with_tp1_as_closely_as_exact_decoding(ru
 def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, model_path):
     """With the cost model on (the default), each rank times its own 4 query / 2 KV heads at start-up
     (cost_calibration.py), and a new prompt's first decodes wait for its build to pay on both."""
-    from vllm import SamplingParams
 
     from vllm_magicpig.config import parse_config
     from vllm_magicpig.cost_calibration import calibration_contexts
@@ -303,16 +320,8 @@ def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, mode
     _write_model(path, Path(model_path))
     magicpig = {"min_sparse_context": 256, "segment_tokens": 128, "dense_layers": DENSE_LAYERS,
                 "log_stats_interval": 0}
-    llm = _start(str(path), "MAGICPIG", 2, magicpig)
-    try:
-        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        llm.generate([{"prompt_token_ids": _prompts(vocab)[1]}],
-                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        snaps = llm.collective_rpc("magicpig_stats")
-    finally:
-        _shut_down(llm)
-        del llm
-        gc.collect()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    snaps = _decode_and_stop(_start(str(path), "MAGICPIG", 2, magicpig), [_prompts(vocab)[1]])
     expected = calibration_contexts(parse_config({"magicpig": magicpig}), 2048)
     assert len(snaps) == 2
     for rank, s in enumerate(snaps):
@@ -335,29 +344,17 @@ def test_two_ranks_on_one_node_share_vllms_memory_budget(tmp_path_factory, model
     plan (host_memory.py: the ranks count who shares the node) gives each its share, takes the index
     cap out of it, and the caps stay free after start-up while both ranks index and sample."""
     import psutil
-    from vllm import LLM, SamplingParams
 
     from vllm_magicpig.host_memory import GIB, node_available_bytes
 
     path = _tp_model(tmp_path_factory, model_path, "tiny_llama_tp_vllm_sized")
     free_before = node_available_bytes()
     utilization = round(0.65 * min(free_before, 24 * GIB) / psutil.virtual_memory().total, 3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        llm = LLM(model=str(path), attention_backend="MAGICPIG", tensor_parallel_size=2, enforce_eager=True,
-                  max_model_len=2048, seed=0, distributed_executor_backend="mp", gpu_memory_utilization=utilization,
-                  additional_config={"magicpig": MAGICPIG})
-    try:
-        free_after_start = node_available_bytes()
-        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        llm.generate([{"prompt_token_ids": p} for p in _prompts(vocab)],
-                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        snaps = llm.collective_rpc("magicpig_stats")
-    finally:
-        _shut_down(llm)
-        del llm
-        gc.collect()
+    llm = _start(str(path), "MAGICPIG", 2, MAGICPIG, kv_cache_gb=None, gpu_memory_utilization=utilization)
+    free_after_start = node_available_bytes()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    snaps = _decode_and_stop(llm, _prompts(vocab))
+    del llm
     caps = [s["index_cap_bytes"] for s in snaps]
     print(f"free {free_before / GIB:.2f} GiB before, {free_after_start / GIB:.2f} after start-up; "
           f"utilization {utilization}; caps {[c / GIB for c in caps]} GiB")
