@@ -146,13 +146,6 @@ def test_calibration_is_skipped_when_switched_off(vllm_env, switch):  # noqa: F8
     assert h.runtime.cost is None or h.runtime.cost.calibration is None
 
 
-def predicted_us(cm: dict, side: str, context: int) -> float:
-    """The cost model's ``side`` (``exact`` / ``sparse``) us at ``context`` keys, read off its stats'
-    4K and 16K predictions: the fits are linear in the context (per request + per key)."""
-    lo, hi = cm[f"{side}_us@4096"], cm[f"{side}_us@16384"]
-    return lo + (hi - lo) * (context - 4096) / (16384 - 4096)
-
-
 def slower_steps(start: int | None, prompt_len: int, decodes: int) -> int:
     """How many of a request's ``decodes`` decode steps run at a context (the prompt's length + 1 to +
     ``decodes``) below ``start``, the cost model's ``sampling_pays_from_keys`` (None: no context)."""
@@ -228,9 +221,9 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
 
     In every branch the decisions must agree with what the cost model believes: where nothing was
     built, each decode's reason with the side of the model's line (``sampling_pays_from_keys``) its
-    context is on; where the fifth was built, with its fits at 3000 keys at the end (read off the
-    stats' 4K and 16K predictions): most decodes sampled only where sampling is predicted faster,
-    ``sampling_slower`` only where slower.
+    context is on; where the fifth was built (sampling then timed live, which moves the line), with
+    the line at the end against the middle of its answer's contexts: most decodes sampled only where
+    sampling is predicted faster, ``sampling_slower`` only where slower.
     A silent fallback to exact attention fails either way (not sampled where faster, or labelled
     slower where it is not); a lost build that kept sampling where slower fails too.
 
@@ -261,7 +254,9 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
     sampled = after["decode_sparse"] - before["decode_sparse"]
     cm = after["cost_model"]
 
-    sampling_faster = predicted_us(cm, "sparse", 3000) < predicted_us(cm, "exact", 3000)
+    # the line as the model drew it at the end, against the middle of the answer's contexts
+    start = cm["sampling_pays_from_keys"]
+    sampling_faster = start is not None and start <= len(fifth.prompt_token_ids) + 200
     if cm["built_on_outlook"]:
         assert cm["built_on_outlook"] == 1, cm
         assert before["decode_exact"].get("index_deferred", 0) > 0, before  # the first four waited
@@ -286,5 +281,5 @@ def test_a_prompt_is_built_at_its_first_decode_where_answers_have_run_long(model
         # the prompt's length + 1 to + 399, and the line may fall among them (CI's AMX machine put
         # it at ~3250 keys: 252 steps slower, 147 faster), so the counts are checked per context,
         # give or take a step at the line.
-        expected = 28 * slower_steps(cm["sampling_pays_from_keys"], len(fifth.prompt_token_ids), 399)
+        expected = 28 * slower_steps(start, len(fifth.prompt_token_ids), 399)
         assert abs(new_exact.get("sampling_slower", 0) - expected) <= 28, (expected, new_exact, cm)
