@@ -119,6 +119,13 @@ def _write_model(path: Path, tokenizer_dir: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _tp_model(tmp_path_factory, model_path, name: str) -> Path:
+    """The random Llama written into a new temporary folder ``name``, with SmolLM2's tokenizer."""
+    path = tmp_path_factory.mktemp(name)
+    _write_model(path, Path(model_path))
+    return path
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     import random
 
@@ -229,8 +236,7 @@ def _logprob_gap(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_path):
-    path = tmp_path_factory.mktemp("tiny_llama_tp")
-    _write_model(path, Path(model_path))
+    path = _tp_model(tmp_path_factory, model_path, "tiny_llama_tp")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = _prompts(vocab)
     out = {}
@@ -312,12 +318,10 @@ def test_near_exact_sampling_tp2_agrees_with_tp1_as_closely_as_exact_decoding(ru
 def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, model_path):
     """With the cost model on (the default), each rank times its own 4 query / 2 KV heads at start-up
     (cost_calibration.py), and a new prompt's first decodes wait for its build to pay on both."""
-
     from vllm_magicpig.config import parse_config
     from vllm_magicpig.cost_calibration import calibration_contexts
 
-    path = tmp_path_factory.mktemp("tiny_llama_tp_calibrated")
-    _write_model(path, Path(model_path))
+    path = _tp_model(tmp_path_factory, model_path, "tiny_llama_tp_calibrated")
     magicpig = {"min_sparse_context": 256, "segment_tokens": 128, "dense_layers": DENSE_LAYERS,
                 "log_stats_interval": 0}
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -329,12 +333,6 @@ def test_every_rank_calibrates_its_own_share_of_the_heads(tmp_path_factory, mode
         assert record["heads"] == [NUM_HEADS // 2, NUM_KV_HEADS // 2, HEAD_DIM], (rank, record)
         assert record["contexts"] == expected, (rank, record)
         assert s["decode_sparse"] == 0 and s["build_seconds"] == 0, (rank, s["decode_exact"])
-
-
-def _tp_model(tmp_path_factory, model_path, name: str) -> Path:
-    path = tmp_path_factory.mktemp(name)
-    _write_model(path, Path(model_path))
-    return path
 
 
 def test_two_ranks_on_one_node_share_vllms_memory_budget(tmp_path_factory, model_path):

@@ -291,21 +291,20 @@ class DecodeCostModel:
         times the other side's live-to-calibrated ratio), which compares with the other as its prior
         with the other's calibration: linear against linear either way, so whether sampling pays
         changes at most once along the context, and a bisection finds where."""
-        with self._lock:
-            def pays(n: int) -> bool:
-                p = self._predict(n)
-                return p is not None and p[1] * p[2][1] <= p[0] * p[2][0]
+        def pays(n: int) -> bool:  # as sampling_pays judges outside exploring steps
+            p = self.predicted(n)
+            return p is not None and p[1] <= p[0]
 
-            if not pays(longest):
-                return None
-            lo, hi = 0, longest  # pays(hi); lo: none shorter than 1 key
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if pays(mid):
-                    hi = mid
-                else:
-                    lo = mid
-            return hi
+        if not pays(longest):
+            return None
+        lo, hi = 0, longest  # pays(hi); lo: none shorter than 1 key
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if pays(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def _predict(self, context: int) -> tuple[float, float, tuple[float, float]] | None:
         """(exact, sampled, their prior scales) as the fits stand; the caller holds the lock."""
