@@ -147,6 +147,7 @@ def test_budget_fraction_out_of_range(value):
         ("segment_tokens", 8, "16..32768"),
         ("max_segment_tokens", 65536, "16..32768"),
         ("index_memory_mb", 0, ">= 1"),
+        ("node_reserve_mb", -1, ">= 0"),
         ("log_stats_interval", -1, ">= 0"),
     ],
 )

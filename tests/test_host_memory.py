@@ -63,6 +63,19 @@ def test_a_user_sized_kv_cache_and_a_cap_that_do_not_fit_fail_naming_the_fix(ava
     assert "VLLM_CPU_KVCACHE_SPACE" in msg and "its default" in msg and fix in msg, msg
 
 
+def test_a_user_sized_kv_cache_and_cap_leave_the_nodes_reserve_free():
+    """A node_reserve_mb above the working margin is what must stay free beside the KV cache and the
+    cap: a cap that fits only below it would never be reached (node_memory.py stops the index there)."""
+    fit = 2 * GIB + 4096 * MIB + 3072 * MIB
+    plan = host_memory.plan_worker_memory(cfg(node_reserve_mb=3072), kv_bytes=2 * GIB, kv_explicit=True,
+                                          available_bytes=fit)
+    assert "3072 MiB to spare (node_reserve_mb)" in plan.note, plan.note
+    with pytest.raises(MagicPigConfigError) as e:
+        host_memory.plan_worker_memory(cfg(node_reserve_mb=3072), kv_bytes=2 * GIB, kv_explicit=True,
+                                       available_bytes=fit - 1)
+    assert "3072 MiB to spare (node_reserve_mb)" in str(e.value) and '"index_memory_mb": 4095 or less' in str(e.value)
+
+
 def test_ranks_on_one_node_check_their_user_sized_caches_and_caps_together():
     """Two ranks on one memory node plan at the same moment, each seeing all of its free memory: a
     2 GiB KV cache and the default 4 GiB cap fit one rank in 10 GiB, and two only in 13 GiB."""

@@ -61,6 +61,11 @@ class MagicPigConfig:
     """Cap on the CPU-side index (hash tables + K/V mirror), per worker. Least
     recently used segments are evicted; their tokens are then attended exactly. On vLLM's CPU
     platform the cap comes out of the worker's memory budget (``host_memory.py``)."""
+    node_reserve_mb: int = 512
+    """Memory the index leaves free on its memory node, whatever its cap: a prompt whose index would
+    take the node's free memory below it is served exactly (stats: ``node_memory_low``) until there
+    is room (``node_memory.py``). Other engines (``--data-parallel-size``, which vLLM starts each as if
+    alone) and processes share the node; a cap is a limit, not memory set aside."""
     mirror_dtype: str = "auto"
     """How segments keep the K/V rows that decode samples: 'auto', as the KV cache holds them (bf16 /
     fp16), or 'int8', 8-bit values with a scale per row: half the mirror's memory and the bytes each
@@ -138,6 +143,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "segment_tokens": (16, MAX_SEGMENT_TOKENS),
     "max_segment_tokens": (16, MAX_SEGMENT_TOKENS),
     "index_memory_mb": (1, None),
+    "node_reserve_mb": (0, None),
     "seed": (0, 2**63 - 1),
     "log_stats_interval": (0, None),
     "cpu_threads": (0, 4096),

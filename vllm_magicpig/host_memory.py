@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 from vllm_magicpig import serves_magicpig
 from vllm_magicpig.config import CONFIG_KEY, MagicPigConfig, MagicPigConfigError, parse_config
@@ -71,19 +72,24 @@ def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool,
     ranks = max(1, ranks_on_node)
     sharing = f", for each of the {ranks} ranks on this memory node," if ranks > 1 else ""
     if kv_explicit:
-        if ranks * (kv_bytes + cap + WORKING_MARGIN) > available_bytes:
-            room = max(0, (available_bytes // ranks - kv_bytes - WORKING_MARGIN) // MIB)
+        # each rank's working memory, or the memory the index keeps free on the node at run time
+        # (node_reserve_mb, node_memory.py), whichever is more: a cap that fits only below the reserve
+        # would never be reached
+        spare = max(ranks * WORKING_MARGIN, cfg.node_reserve_mb * MIB)
+        spare_text = f"{spare // MIB} MiB to spare" + (" (node_reserve_mb)" if spare > ranks * WORKING_MARGIN else "")
+        if ranks * (kv_bytes + cap) + spare > available_bytes:
+            room = max(0, ((available_bytes - spare) // ranks - kv_bytes) // MIB)
             raise MagicPigConfigError(
                 f"the KV cache you sized ({kv_bytes / GIB:.2f} GiB: VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes) "
                 f"and MAGICPIG's index cap ({cfg.index_memory_mb} MiB, index_memory_mb"
-                f"{'' if given else ', its default'}){sharing} do not fit, with {WORKING_MARGIN // MIB} MiB to "
-                f"spare, in the {available_bytes / GIB:.2f} GiB this worker's memory node has free. Fix: a smaller KV "
+                f"{'' if given else ', its default'}){sharing} do not fit, with {spare_text}, "
+                f"in the {available_bytes / GIB:.2f} GiB this worker's memory node has free. Fix: a smaller KV "
                 "cache, or " + (f'"index_memory_mb": {room} or less' if room else "free memory on this machine")
                 + " in --additional-config")
         return MemoryPlan(kv_bytes, cfg.index_memory_mb,
                           f"MAGICPIG: the KV cache as sized ({kv_bytes / GIB:.2f} GiB) and the index's cap "
                           f"({cfg.index_memory_mb} MiB){sharing} fit in the {available_bytes / GIB:.2f} GiB free, "
-                          f"with {WORKING_MARGIN // MIB} MiB to spare")
+                          f"with {spare_text}")
     sized = kv_bytes
     if ranks > 1:
         # vLLM gave each rank --gpu-memory-utilization of the whole node less its own weights; the
@@ -115,9 +121,9 @@ def plan_worker_memory(cfg: MagicPigConfig, *, kv_bytes: int, kv_explicit: bool,
 
 def _memory_node() -> int | None:
     """The memory node this worker allocates from, as vLLM's CPU worker finds it (None: no view)."""
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
-
     try:
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+
         return get_allowed_cpu_list()[0].numa_node
     except Exception:  # noqa: BLE001 - an odd platform: one node, as far as this plan can tell
         return None
@@ -125,10 +131,21 @@ def _memory_node() -> int | None:
 
 def node_available_bytes() -> int:
     """Free memory of the memory node this worker allocates from, as vLLM's CPU worker reads it."""
-    from vllm.utils.cpu_resource_utils import get_memory_node_info
+    return _available_on(_memory_node())
 
+
+def node_available_reader() -> Callable[[], int]:
+    """``node_available_bytes`` with the node found once: finding it takes ~3 ms (vLLM lists the
+    allowed CPUs), a reading ~40 us, and the run-time guard (``node_memory.py``) reads often."""
+    node = _memory_node()
+    return lambda: _available_on(node)
+
+
+def _available_on(node: int | None) -> int:
     try:
-        return get_memory_node_info(_memory_node()).available_memory
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+        return get_memory_node_info(node).available_memory
     except Exception:  # noqa: BLE001 - no per-node view (one node, or an odd platform): the machine's
         import psutil
 

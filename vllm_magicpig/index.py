@@ -20,7 +20,10 @@ so everything here is keyed by KV block ids:
   those of a request still decoding (``ACTIVE_STEPS``). A request whose segments cannot be held
   is attended exactly (stats: ``evicted``), and they are not built while there is no room; a new
   prompt whose whole index would not fit is planned exact before any layer tries
-  (``idle_room``, ``planner.StepPlanner._index_fits``).
+  (``idle_room``, ``planner.StepPlanner._no_index_room``).
+* Growth also stops where the memory node would keep less than ``node_reserve_mb`` free, whatever
+  the cap (``node_guard``: other engines and processes share the node; ``node_memory.py``); such
+  requests are attended exactly too (stats: ``node_memory_low``).
 
 The store owns the whole segment life cycle (:meth:`IndexStore.get_or_build`: find, grow by
 merging, replace; :meth:`IndexStore.reserve`: evict, or refuse so the caller serves the
@@ -112,6 +115,11 @@ class _CentreEntry:
 # segments at those steps only, so the window spans two of them.
 ACTIVE_STEPS = 32
 
+# Why a segment was not built or kept (``IndexStore.last_refusal``): no room under
+# ``index_memory_mb`` beside the segments in use, or none on the memory node (``node_memory.py``).
+REFUSED_CAP = "cap"
+REFUSED_NODE_MEMORY = "node_memory"
+
 
 class IndexStore:
     def __init__(self, stats: Stats, grow_step: int, active_steps: int = ACTIVE_STEPS) -> None:
@@ -143,6 +151,10 @@ class IndexStore:
         # layer -> bytes a token of its last stored (or refused) segment took, index and mirror:
         # what a new segment's room is checked against before it is built (_room_for)
         self._bytes_per_token: dict[Hashable, float] = {}
+        # checks the index's growth against its memory node's free memory (node_memory.py); None:
+        # against the cap only (the runtime sets it)
+        self.node_guard: Any = None
+        self.last_refusal: str | None = None  # why the latest refused segment was refused
 
     # ------------------------------------------------------------------ centres
     def find_centre(self, row: list[int]) -> CentreSpec | None:
@@ -241,8 +253,9 @@ class IndexStore:
             base = self.peek_segment(layer, base_key)
             if base is None:
                 continue
-            if not self._room_for(layer, size - shorter, cap_bytes):  # the growth: the base makes way
-                return self._refuse()
+            why = self._no_room(layer, size - shorter, cap_bytes)  # the growth: the base makes way
+            if why is not None:
+                return self._refuse(why)
             rest = self._build(build, SegmentRef(SegmentKey(cid, start + shorter, size - shorter,
                                                             blocks[shorter // block_size :]), start + shorter))
             t0 = time.perf_counter()
@@ -252,18 +265,36 @@ class IndexStore:
             if not self.used_this_step(layer, base_key):  # nobody else reads it now
                 self.drop_segment(layer, base_key)
             return self._store(layer, ref, seg, cap_bytes)
-        if not self._room_for(layer, ref.num_tokens, cap_bytes):
-            return self._refuse()
+        why = self._no_room(layer, ref.num_tokens, cap_bytes)
+        if why is not None:
+            return self._refuse(why)
         return self._store(layer, ref, self._build(build, ref), cap_bytes)
 
-    def _room_for(self, layer: Hashable, tokens: int, cap_bytes: int | None) -> bool:
-        """Whether ``tokens`` more tokens of the layer's segments would fit under the cap once the
-        segments no request still uses are evicted (evicting them as needed), at the bytes a token
-        of its last segment took. Until one was built, or without a cap: yes (build and see)."""
+    def _no_room(self, layer: Hashable, tokens: int, cap_bytes: int | None) -> str | None:
+        """Why ``tokens`` more tokens of the layer's segments would not fit, at the bytes a token of
+        its last segment took, once the segments no request still uses are evicted (evicting them
+        as needed): under the cap (``REFUSED_CAP``), or in its memory node's free memory less the
+        guard's reserve (``REFUSED_NODE_MEMORY``). None: they fit. Until the layer built one they
+        are built to see, unless the node is short of memory already."""
+        node_cap = self.node_cap()  # before evicting: evictions leave it as it is (node_memory.py)
         per_token = self._bytes_per_token.get(layer)
-        if cap_bytes is None or per_token is None:
-            return True
-        return self.enforce_cap(cap_bytes - int(per_token * tokens))
+        if per_token is None:
+            return REFUSED_NODE_MEMORY if node_cap is not None and node_cap <= self.held_bytes() else None
+        need = int(per_token * tokens)
+        if cap_bytes is not None and not self.enforce_cap(cap_bytes - need):
+            return REFUSED_CAP
+        if node_cap is not None and not self.enforce_cap(node_cap - need):
+            return REFUSED_NODE_MEMORY
+        return None
+
+    def held_bytes(self) -> int:
+        """What the store's segments hold: hash tables and K/V mirror."""
+        return self.index_bytes + self.mirror_bytes
+
+    def node_cap(self) -> int | None:
+        """The most the store may hold before its memory node's free memory would fall to the
+        guard's reserve: what it holds plus the guard's room (``node_memory.py``). None: no guard."""
+        return None if self.node_guard is None else self.held_bytes() + self.node_guard.room()
 
     def prompt_bytes_per_token(self, K: int, L: int) -> float | None:
         """Bytes a token takes in the segments of every layer hashed with (K, L) (owners made by
@@ -284,8 +315,12 @@ class IndexStore:
             in_use += seg.index_bytes + seg.mirror_bytes
         return cap_bytes - in_use
 
-    def _refuse(self) -> None:
-        self.stats.index["segments_refused"] += 1  # no room under the cap: not kept
+    def _refuse(self, why: str = REFUSED_CAP) -> None:
+        self.stats.index["segments_refused"] += 1  # no room: not kept
+        if why == REFUSED_NODE_MEMORY:
+            self.stats.index["segments_refused_node_memory"] += 1
+            self.node_guard.note_refusal()
+        self.last_refusal = why
         return None
 
     def install(self, layer: Hashable, ref: SegmentRef, seg: Segment, cap_bytes: int | None = None) -> Segment | None:

@@ -5,8 +5,9 @@ the KV cache on first need); then one ops call hashes the queries and attends ev
 request of the plan. The backend hands this method the sampled requests only
 (``backend_common.DecodeSplit``: the platform kernel attends the exact ones); a request here
 without segments (one whose segments a layer could not keep under ``index_memory_mb``, reason
-``evicted``, or any exact request where the platform does not split) goes through the same call
-with its whole context as the exact part, so it is served exactly.
+``evicted``, or could not build beside its memory node's reserve, ``node_memory_low``, or any
+exact request where the platform does not split) goes through the same call with its whole
+context as the exact part, so it is served exactly.
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import torch
 
 from vllm_magicpig import decode_methods
 from vllm_magicpig.decode_methods import DecodeResult, LayerContext
-from vllm_magicpig.index import CentreSpec, SegmentRef, segment_owner
+from vllm_magicpig.index import REFUSED_NODE_MEMORY, CentreSpec, SegmentRef, segment_owner
 from vllm_magicpig.kv_layout import KVViews, gather
 from vllm_magicpig.planner import DecodePlan
-from vllm_magicpig.stats import EXACT_EVICTED
+from vllm_magicpig.stats import EXACT_EVICTED, EXACT_NODE_MEMORY
 
 
 def request_centre(ctx: LayerContext, spec: CentreSpec, kv: KVViews) -> torch.Tensor:
@@ -44,7 +45,8 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
                           make_build: Callable[[Any], Callable[[SegmentRef], Any]]):
     """For every request planned sparse: its centre and segments from the index, built on first
     need (``compute_centre(spec)``; ``make_build(centre)(ref)``). A request whose segments do not
-    fit under ``index_memory_mb`` gets its whole context as the exact range instead.
+    fit under ``index_memory_mb`` (or in its memory node's free memory less ``node_reserve_mb``) gets
+    its whole context as the exact range instead.
 
     Returns (segments per request, centre per served request, exact ranges, DecodeResult with
     ``served`` and ``exact`` filled in).
@@ -60,10 +62,11 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
         centre = index.centre(ctx.name, plan.centres[r], compute_centre)
         refs = plan.segments[r]
         build = make_build(centre)
-        segs = []
+        segs, why = [], EXACT_EVICTED
         for ref in refs:  # up to the first that does not fit: building the rest would be for nothing
             seg = index.get_or_build(owner, ref, build, rt.ops.merge_segments, rt.cap_bytes)
             if seg is None:
+                why = EXACT_NODE_MEMORY if index.last_refusal == REFUSED_NODE_MEMORY else EXACT_EVICTED
                 break
             segs.append(seg)
         fits = len(segs) == len(refs)
@@ -74,7 +77,7 @@ def index_sparse_requests(ctx: LayerContext, plan: DecodePlan, compute_centre: C
             if dense is plan.dense_ranges:
                 dense = dense.clone()
             dense[r, 0, 1] = dense[r, 1, 0] = plan.seq_lens[r]
-            result.exact[r] = EXACT_EVICTED
+            result.exact[r] = why
             continue
         segments[r] = segs
         centres[r] = centre

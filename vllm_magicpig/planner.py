@@ -24,6 +24,7 @@ from vllm_magicpig.stats import (
     EXACT_EVICTED,
     EXACT_INDEXING,
     EXACT_METHOD,
+    EXACT_NODE_MEMORY,
     EXACT_NOT_MIRRORED,
     EXACT_SAMPLING_SLOWER,
     EXACT_SHORT_CONTEXT,
@@ -178,7 +179,7 @@ class StepPlanner:
         has not paid for its build yet. ``indexer``: the runtime's
         ``background_index.BackgroundIndexer``; a new prompt is served exactly while it indexes it.
         ``cap_bytes``: the index's memory cap; a new prompt whose index would not fit beside the
-        segments in use is served exactly (``evicted``), and not indexed (``_index_fits``)."""
+        segments in use is served exactly (``evicted``), and not indexed (``_no_index_room``)."""
         self.cfg = cfg
         self.indexer = indexer
         self.block_size = block_size
@@ -186,7 +187,10 @@ class StepPlanner:
         self.mirror = mirror
         self.cost = cost
         self.cap_bytes = cap_bytes
-        self._room: float | None = None  # this step's idle_room, less what new prompts admitted in it need
+        # this step's idle_room under the cap and under the node's guard (index.node_cap; None: no
+        # guard), less what new prompts admitted in it need
+        self._room: float | None = None
+        self._node_room: float | None = None
         self.unit = cfg.segment_tokens
         self.largest = largest_segment(cfg)
         # last block written by a prefill chunk -> sequence length after it; a decode
@@ -284,8 +288,9 @@ class StepPlanner:
                 blocks = tuple(row[start // bs : (start + size) // bs])
                 key = self.index.canonical_key(SegmentKey(spec.cid, start, size, blocks))
                 refs.append(SegmentRef(key, max(start, cfg.sink_tokens)))
-            if not self._index_fits(spec.cid, covered_end - cfg.sink_tokens, settings):
-                plan.exact_reason[r] = EXACT_EVICTED
+            no_room = self._no_index_room(spec.cid, covered_end - cfg.sink_tokens, settings)
+            if no_room is not None:
+                plan.exact_reason[r] = no_room
                 continue
             if background and not self.indexer.ready(spec, refs, settings):
                 plan.exact_reason[r] = EXACT_INDEXING
@@ -300,9 +305,11 @@ class StepPlanner:
         plan.timed = self.indexer is None or not self.indexer.building()
         return plan
 
-    def _index_fits(self, cid: int, tokens: int, settings: StepSettings) -> bool:
-        """Whether a new prompt's index (``tokens`` in every sparse layer) fits under the cap beside
-        the segments in use, at the bytes a token of each layer's last segment took. Under a load of
+    def _no_index_room(self, cid: int, tokens: int, settings: StepSettings) -> str | None:
+        """Why a new prompt's index does not fit (``EXACT_EVICTED``: under the cap;
+        ``EXACT_NODE_MEMORY``: in its memory node's free memory less the guard's reserve,
+        ``node_memory.py``), or None where it does: ``tokens`` in every sparse layer beside the
+        segments in use, at the bytes a token of each layer's last segment took. Under a load of
         long answers the segments in use filled the cap: a new prompt's background job built its
         whole index only to have the install refuse it, and every layer then refused its segments
         again step after step while MAGICPIG's kernel attended it exactly. Now it is served by the
@@ -310,20 +317,26 @@ class StepPlanner:
         already, or being indexed, is not checked again (its growth is checked where it is built);
         nor is budget mode, whose (K, L) the layers choose per request."""
         if self.cap_bytes is None or settings.target_cost is not None or self.index.holds_centre_segments(cid):
-            return True
+            return None
         if self.indexer is not None and self.indexer.pending_for(cid):
-            return True
+            return None
         per_token = self.index.prompt_bytes_per_token(settings.K, settings.L)
-        if per_token is None:
-            return True  # nothing built yet to size it by: build and see
         if self._room is None:
-            pending = self.indexer.pending_tokens() if self.indexer is not None else 0
-            self._room = self.index.idle_room(self.cap_bytes) - per_token * pending
-        need = per_token * tokens
+            node_cap = self.index.node_cap()
+            pending = (self.indexer.pending_tokens() if self.indexer is not None else 0) * (per_token or 0)
+            self._room = self.index.idle_room(self.cap_bytes) - pending
+            self._node_room = None if node_cap is None else self.index.idle_room(node_cap) - pending
+        # nothing built yet to size it by: build and see, unless the node is short of memory now
+        need = 0.0 if per_token is None else per_token * tokens
         if need > self._room:
-            return False
+            return EXACT_EVICTED
+        if self._node_room is not None and need >= self._node_room:
+            self.index.node_guard.note_refusal()
+            return EXACT_NODE_MEMORY
         self._room -= need  # the next new prompt of this step fits beside this one, or not
-        return True
+        if self._node_room is not None:
+            self._node_room -= need
+        return None
 
     def _indexed(self, cid: int) -> bool:
         """Whether prompt ``cid`` has an index, or one is being built (so no build decision is due)."""

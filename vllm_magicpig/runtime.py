@@ -23,6 +23,7 @@ from vllm_magicpig.host_mirror import HostMirror
 from vllm_magicpig.index import IndexStore
 from vllm_magicpig.kv_layout import CpuVecLayout, KVLayout
 from vllm_magicpig.magicpig_decode import build_segment_from_cache
+from vllm_magicpig.node_memory import worker_guard
 from vllm_magicpig.ops import CpuKernelOps, SparseDecodeOps
 from vllm_magicpig.planner import StepSettings
 from vllm_magicpig.sparse_tally import SparseTally
@@ -63,6 +64,8 @@ class MagicPigRuntime:
         self.cap_bytes = cfg.index_memory_mb * 2**20
         self.stats.index_cap_bytes = self.cap_bytes
         self.ops.set_memory_cap(self.cap_bytes)
+        # and it grows only while its memory node keeps node_reserve_mb free, whatever else shares it
+        self.index.node_guard = worker_guard(cfg.node_reserve_mb, self.ops)
         self.ops.set_mirror_dtype(cfg.mirror_dtype)
         self.stats.add_section("memory_pool", self.ops.memory_pool_stats)
         # Which of vLLM's cache layouts this worker reads ("cpu_vec", "cpu_amx", "flash"): the

@@ -28,8 +28,11 @@ EXACT_INDEXING = "indexing"
 EXACT_INDEX_DEFERRED = "index_deferred"
 # ... and would not have paid back before the request's max_tokens end it (answer_bounds.py)
 EXACT_INDEX_CANNOT_PAY = "index_cannot_pay"
+# its index would leave the memory node less free than node_reserve_mb (node_memory.py)
+EXACT_NODE_MEMORY = "node_memory_low"
 EXACT_REASONS = (EXACT_SHORT_CONTEXT, EXACT_DENSE_LAYER, EXACT_EVICTED, EXACT_METHOD, EXACT_NOT_MIRRORED,
-                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING, EXACT_INDEX_DEFERRED, EXACT_INDEX_CANNOT_PAY)
+                 EXACT_SAMPLING_SLOWER, EXACT_INDEXING, EXACT_INDEX_DEFERRED, EXACT_INDEX_CANNOT_PAY,
+                 EXACT_NODE_MEMORY)
 # index entries that describe what is held now, not events: kept by a reset
 _GAUGES = ("segments_live", "staged_bytes")
 
