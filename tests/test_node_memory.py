@@ -169,6 +169,33 @@ def test_a_layer_whose_node_runs_short_serves_that_request_exactly_and_says_why(
     assert meta.sparse_plan.exact_reason == {1: "node_memory_low"}, meta.sparse_plan.exact_reason
 
 
+def test_a_background_job_stops_where_the_node_runs_short_and_its_prompt_is_served_exactly(vllm_env):  # noqa: F811
+    """The planner admits a new prompt with room on the node; by the time its job builds, another
+    engine has taken it: the job stops before the layer, keeps nothing, and the prompt is served
+    exactly (``node_memory_low``) until there is room, then indexed again and sampled."""
+    from tests.test_background_index import _prefilled
+
+    h = _prefilled(vllm_env, [3000])  # jobs run inline, at submission
+    node = _short_node(h, 1 * GIB)
+    readings = iter([node.free])  # the planner's reading; the job's is the next
+    guard = h.runtime.index.node_guard
+    guard._available = lambda: next(readings, guard.reserve_bytes - 1)
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {0: "indexing"}
+    out, ref_out, meta = h.step()  # the job is collected: it built nothing
+    assert meta.sparse_plan.exact_reason == {0: "node_memory_low"}, meta.sparse_plan.exact_reason
+    assert torch.equal(out, ref_out)
+    st = h.stats()
+    assert st["index"]["background_refused_node_memory"] == 1 and st["index"].get("segments_built", 0) == 0, st
+    assert st["index_bytes"] == 0, st
+    guard._available = lambda: node.free  # memory is back
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {0: "indexing"}  # submitted again
+    out, ref_out, meta = h.step()
+    assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
+    assert rel_err(out[0], ref_out[0]) < 2e-2
+
+
 # --------------------------------------------------------------------------- end to end
 
 

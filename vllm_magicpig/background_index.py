@@ -63,6 +63,7 @@ class IndexJob:
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # what the job took from the cores: its CPU time, its team's included
     error: BaseException | None = None
+    short_of_memory: bool = False  # stopped between layers: the node fell to its reserve (node_memory.py)
 
 
 class BackgroundIndexer:
@@ -131,7 +132,7 @@ class BackgroundIndexer:
         self._pending[cid] = job
         self.stats.index["background_jobs"] += 1
         if self.run_inline:
-            _run(job, self.ops, self._build)
+            _run(job, self.ops, self._build, self.index.node_guard)
             self._done.put(job)
         else:
             self._submit(job)
@@ -158,6 +159,12 @@ class BackgroundIndexer:
                                "next decode instead", job.error)
                 self.stats.index["background_failed"] += 1
                 self._mark_installed(cid)  # ready: the layers build it themselves
+                continue
+            if job.short_of_memory:
+                # Not marked installed, as below: the planner serves it exactly (node_memory_low) while
+                # the node is short, then submits it again.
+                self.stats.index["background_refused_node_memory"] += 1
+                self.index.node_guard.note_refusal()
                 continue
             if not self.index.has_centre(cid):  # its blocks were rewritten meanwhile: the build is stale
                 self.stats.index["background_dropped"] += 1
@@ -230,7 +237,7 @@ class BackgroundIndexer:
                     self._thread = None
                     return
             torch.set_num_threads(job.threads)  # the worker's thread count, in this thread's OpenMP too
-            _run(job, self.ops, self._build)
+            _run(job, self.ops, self._build, self.index.node_guard)
             self._done.put(job)
 
     def thread_alive(self) -> bool:
@@ -248,13 +255,21 @@ class BackgroundIndexer:
         return False
 
 
-def _run(job: IndexJob, ops: Any, build: Callable[..., Any]) -> None:
+def _run(job: IndexJob, ops: Any, build: Callable[..., Any], node_guard: Any = None) -> None:
     # Sharing the worker's cores, the build's wall time counts the engine's turns too; its CPU
     # time is what it took from them. This thread is one of the kernel's ``threads`` OpenMP
     # threads, which share the work evenly.
     t0, c0 = time.perf_counter(), time.thread_time()
     try:
         for lj in job.layers:
+            # The planner admitted the whole prompt against the node's free memory at submission, but
+            # engines sharing the node (data parallel) admit theirs at the same moments and build for
+            # seconds: checked again before each layer, a job overshoots the reserve by one layer's
+            # segments at most (node_memory.py). Its segments so far are freed at once.
+            if node_guard is not None and node_guard.room() <= 0:
+                job.short_of_memory = True
+                job.built.clear()
+                break
             centring = decode_methods.get_centring(lj.centering)
             centre = centring(lj.ctx, job.spec, lj.kv)
             owner = segment_owner(lj.ctx.name, lj.K, lj.L)

@@ -22,8 +22,11 @@ and evicting an idle segment (its memory goes to the pool, or back to the node) 
 it was while freeing the store's bytes: the index's effective cap is ``held + room``, and the store
 evicts idle segments under it as it does under ``index_memory_mb``.
 
-The check is not atomic across processes: two engines may pass it at one moment. A build takes one
-layer's segment at a time (tens of MB at 16K tokens), far less than the reserve, which covers that.
+The check is not atomic across processes: two engines may pass it at one moment. So it is made
+before every layer's segments are built, at the layer's first decode and on the background thread
+alike (``background_index._run``, which stops a prompt's job between layers and frees what it
+built): each engine overshoots by one layer's segments at most (~12 MB for a 7K-token prompt at
+K=10, L=150, SmolLM2's shapes), far less than the reserve.
 """
 from __future__ import annotations
 
