@@ -23,16 +23,30 @@ LAYER = "model.layers.1.self_attn.attn"
 
 
 class Node:
-    """A stand-in memory node: free bytes and pooled bytes the test sets."""
+    """A stand-in memory node beside one store: what the store's segments took stays taken (freed,
+    it waits in the pool) until given back; ``other`` is what other processes hold."""
 
-    def __init__(self, free: int, pooled: int = 0) -> None:
-        self.free, self.pooled = free, pooled
+    def __init__(self, capacity: int, store: IndexStore) -> None:
+        self.capacity, self.store = capacity, store
+        self.other = self.taken = self.gave_back = 0
+
+    def available(self) -> int:
+        self.taken = max(self.taken, self.store.held_bytes())
+        return self.capacity - self.other - self.taken
+
+    def give_back(self) -> None:
+        self.taken = self.store.held_bytes()
+        self.gave_back += 1
 
 
-def guarded_store(node: Node, reserve: int = 10_000) -> IndexStore:
+RESERVE = 10_000
+
+
+def guarded_store(free_above_reserve: int) -> tuple[IndexStore, Node]:
     store = IndexStore(Stats(), grow_step=256, active_steps=1)
-    store.node_guard = NodeMemoryGuard(reserve, lambda: node.free, lambda: node.pooled)
-    return store
+    node = Node(RESERVE + free_above_reserve, store)
+    store.node_guard = NodeMemoryGuard(RESERVE, node.available, node.give_back)
+    return store, node
 
 
 class Counting:
@@ -44,68 +58,70 @@ class Counting:
         return build(r)  # 4,000 bytes a segment, whatever its tokens
 
 
-def test_the_room_is_the_free_memory_above_the_reserve_plus_what_the_pool_holds():
-    node = Node(free=5 * GIB, pooled=300 * MIB)
-    guard = NodeMemoryGuard(512 * MIB, lambda: node.free, lambda: node.pooled)
-    assert guard.room() == 5 * GIB - 512 * MIB + 300 * MIB and guard.last_available == 5 * GIB
-    node.free, node.pooled = 100 * MIB, 0
-    assert guard.room() == 100 * MIB - 512 * MIB  # short: negative
-    assert "0.10 GiB free" in guard.describe() and "node_reserve_mb (512 MiB)" in guard.describe()
+def refs_for(store: IndexStore, n: int) -> list:
+    cids = [store.new_centre((10 * i, 10 * i + 1), 4, 256).cid for i in range(1, n + 1)]
+    return [ref(c, 0, 256, (10 * i, 10 * i + 1), first=4) for i, c in enumerate(cids, start=1)]
+
+
+def test_the_room_is_the_free_memory_above_the_reserve_and_memory_held_unused_is_given_back_when_short():
+    mem = {"free": 5 * GIB, "pooled": 300 * MIB}
+
+    def give_back():
+        mem["free"], mem["pooled"] = mem["free"] + mem["pooled"], 0
+
+    guard = NodeMemoryGuard(512 * MIB, lambda: mem["free"], give_back)
+    assert guard.room() == 5 * GIB - 512 * MIB and guard.last_available == 5 * GIB and guard.gave_back == 0
+    mem["free"] = 100 * MIB  # short: the pool goes back to the node, which is read again
+    assert guard.room() == 400 * MIB - 512 * MIB and guard.gave_back == 1 and mem["pooled"] == 0
+    assert "0.39 GiB free" in guard.describe() and "node_reserve_mb (512 MiB)" in guard.describe()
+    mem["free"] = 600 * MIB  # room for 88 MiB, not for 100: given back (nothing now) and read again
+    assert guard.room(need=100 * MIB) == 88 * MIB and guard.gave_back == 2
 
 
 def test_a_build_the_node_cannot_hold_is_refused_and_says_why():
-    node = Node(free=10_000 + 8000)  # room for two 4,000-byte segments
-    store, builds = guarded_store(node), Counting()
-    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20, 30)]
-    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20, 30))]
+    # room for two 4,000-byte segments and the second's build (its hash codes beside it: BUILD_PEAK)
+    store, node = guarded_store(12000)
+    builds, refs = Counting(), refs_for(store, 3)
     assert store.get_or_build(LAYER, refs[0], builds, merge) is not None
-    node.free -= 4000  # the first segment's memory came from the node
     assert store.get_or_build(LAYER, refs[1], builds, merge) is not None
-    node.free -= 4000
     # both in use this step (active_steps=1); the node has no room for a third: not even built
     assert store.get_or_build(LAYER, refs[2], builds, merge) is None
-    assert builds.calls == 2 and store.last_refusal == REFUSED_NODE_MEMORY
+    assert builds.calls == 2 and store.last_refusal == REFUSED_NODE_MEMORY and node.gave_back == 1
     idx = store.stats.index
     assert idx["segments_refused"] == 1 and idx["segments_refused_node_memory"] == 1
     assert store.held_bytes() == 8000  # what it held is kept
-    node.free += 4000  # another process gave memory back
+    node.other -= 4000  # another process freed memory
     assert store.get_or_build(LAYER, refs[2], builds, merge) is not None and builds.calls == 3
 
 
-def test_idle_segments_make_way_for_a_build_the_node_is_short_for():
-    """An idle segment's memory goes to the pool and the next build reuses it: the store evicts it
-    as it would under the cap, though the cap itself has room."""
-    node = Node(free=10_000 + 4000)
-    store, builds = guarded_store(node), Counting()
-    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20)]
-    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20))]
-    store.get_or_build(LAYER, refs[0], builds, merge)
-    node.free -= 4000  # at the reserve now
+def test_idle_segments_are_evicted_and_their_memory_given_back_for_a_build_the_node_is_short_for():
+    """The cap has room; the node has none. The idle segment's memory goes to the pool when it is
+    evicted and back to the node before the build."""
+    store, node = guarded_store(8000)
+    builds, refs = Counting(), refs_for(store, 2)
+    store.get_or_build(LAYER, refs[0], builds, merge)  # 4,000 left: a build takes twice its segment's bytes
     store.begin_step()
     store.begin_step()  # the first segment is idle
     seg = store.get_or_build(LAYER, refs[1], builds, merge, cap_bytes=1 << 30)
     assert seg is not None and store.peek_segment(LAYER, refs[0].key) is None
     assert store.stats.index["segments_evicted"] == 1 and store.held_bytes() == 4000
+    assert node.available() - RESERVE == 4000 and node.gave_back >= 1  # the segment's memory went back
 
 
 def test_before_any_build_a_node_already_short_refuses_it():
     """The layer's bytes a token are unknown until one segment is built: it is built to see, unless
-    the node is below its reserve already."""
-    node = Node(free=10_000 - 1)
-    store, builds = guarded_store(node), Counting()
-    spec = store.new_centre((1, 2), 4, 256)
-    r = ref(spec.cid, 0, 256, (1, 2), first=4)
+    the node is at its reserve already."""
+    store, node = guarded_store(0)
+    builds, (r,) = Counting(), refs_for(store, 1)
     assert store.get_or_build(LAYER, r, builds, merge) is None and builds.calls == 0
     assert store.last_refusal == REFUSED_NODE_MEMORY
-    node.free = 10_000 + 1
+    node.capacity += 1
     assert store.get_or_build(LAYER, r, builds, merge) is not None and builds.calls == 1
 
 
 def test_a_refusal_under_the_cap_is_named_for_the_cap():
-    node = Node(free=100 * GIB)
-    store, builds = guarded_store(node), Counting()
-    cids = [store.new_centre((b, b + 1), 4, 256).cid for b in (10, 20)]
-    refs = [ref(c, 0, 256, (b, b + 1), first=4) for c, b in zip(cids, (10, 20))]
+    store, node = guarded_store(100 * GIB)
+    builds, refs = Counting(), refs_for(store, 2)
     assert store.get_or_build(LAYER, refs[0], builds, merge, cap_bytes=6000) is not None
     assert store.get_or_build(LAYER, refs[1], builds, merge, cap_bytes=6000) is None
     assert store.last_refusal == REFUSED_CAP and "segments_refused_node_memory" not in store.stats.index
@@ -113,16 +129,32 @@ def test_a_refusal_under_the_cap_is_named_for_the_cap():
 
 def test_without_a_guard_the_node_is_not_read():
     store = IndexStore(Stats(), grow_step=256, active_steps=1)
-    assert store.node_cap() is None
-    spec = store.new_centre((1, 2), 4, 256)
-    assert store.get_or_build(LAYER, ref(spec.cid, 0, 256, (1, 2), first=4), build, merge) is not None
+    assert store.node_guard is None and store.make_node_room(1 << 60)
+    (r,) = refs_for(store, 1)
+    assert store.get_or_build(LAYER, r, build, merge) is not None
 
 
 def test_the_worker_runtime_guards_its_index_with_the_configured_reserve(vllm_env):  # noqa: F811
+    from vllm_magicpig.host_memory import node_available_bytes
+
     h = harness(vllm_env, BatchSpec([3000], [1]), node_reserve_mb=777)
     guard = h.runtime.index.node_guard
     assert guard is not None and guard.reserve_bytes == 777 * MIB
-    assert 0 < guard.room() + 777 * MIB - h.runtime.ops.memory_pool_stats()["pooled_bytes"] == guard.last_available
+    assert abs(guard.room() + 777 * MIB - node_available_bytes()) < 256 * MIB  # this node, read now
+
+
+def test_giving_memory_back_empties_the_segment_pool(vllm_env):  # noqa: F811
+    """The worker's give-back unmaps the pool's regions (and trims the C allocator), then keeps
+    freed regions again within the cap."""
+    h = harness(vllm_env, BatchSpec([3000], [1]), K=1, L=64)
+    h.step()
+    ops = h.runtime.ops
+    h.runtime.index.clear()  # the segment's regions go to the pool
+    assert ops.memory_pool_stats()["pooled_bytes"] > 0
+    limit = ops._kernel.huge_pool_stats()["limit_bytes"]
+    h.runtime.index.node_guard._give_back()
+    assert ops.memory_pool_stats()["pooled_bytes"] == 0
+    assert ops._kernel.huge_pool_stats()["limit_bytes"] == limit
 
 
 # --------------------------------------------------------------------------- at the vLLM seam
@@ -130,9 +162,10 @@ def test_the_worker_runtime_guards_its_index_with_the_configured_reserve(vllm_en
 
 def _short_node(h, free_above_reserve: int) -> Node:
     """Give the harness's index a stand-in node with ``free_above_reserve`` bytes over its reserve."""
-    guard = h.runtime.index.node_guard
-    node = Node(free=guard.reserve_bytes + free_above_reserve)
-    h.runtime.index.node_guard = NodeMemoryGuard(guard.reserve_bytes, lambda: node.free, lambda: node.pooled)
+    index = h.runtime.index
+    reserve = index.node_guard.reserve_bytes
+    node = Node(reserve + free_above_reserve, index)
+    index.node_guard = NodeMemoryGuard(reserve, node.available, node.give_back)
     return node
 
 
@@ -145,7 +178,7 @@ def test_a_new_prompt_is_served_exactly_while_its_node_is_short_then_sampled(vll
     st = h.stats()
     assert st["decode_exact"] == {"node_memory_low": 1} and st["decode_sparse"] == 0, st
     assert st["index"].get("segments_built", 0) == 0, st
-    node.free += 1 * GIB
+    node.capacity += 1 * GIB
     out, ref_out, meta = h.step()
     assert meta.sparse_plan.sparse == [0] and h.stats()["decode_sparse"] == 1
     assert rel_err(out[0], ref_out[0]) < 2e-2
@@ -177,7 +210,7 @@ def test_a_background_job_stops_where_the_node_runs_short_and_its_prompt_is_serv
 
     h = _prefilled(vllm_env, [3000])  # jobs run inline, at submission
     node = _short_node(h, 1 * GIB)
-    readings = iter([node.free])  # the planner's reading; the job's is the next
+    readings = iter([node.available()])  # the planner's reading; the job's are the next ones
     guard = h.runtime.index.node_guard
     guard._available = lambda: next(readings, guard.reserve_bytes - 1)
     _, _, meta = h.step()
@@ -188,12 +221,39 @@ def test_a_background_job_stops_where_the_node_runs_short_and_its_prompt_is_serv
     st = h.stats()
     assert st["index"]["background_refused_node_memory"] == 1 and st["index"].get("segments_built", 0) == 0, st
     assert st["index_bytes"] == 0, st
-    guard._available = lambda: node.free  # memory is back
+    guard._available = node.available  # memory is back
     _, _, meta = h.step()
     assert meta.sparse_plan.exact_reason == {0: "indexing"}  # submitted again
     out, ref_out, meta = h.step()
     assert meta.sparse_plan.sparse == [0] and h.stats()["index"]["background_installed"] == 1
     assert rel_err(out[0], ref_out[0]) < 2e-2
+
+
+def test_a_background_job_stops_before_a_layer_whose_build_the_node_cannot_hold(vllm_env):  # noqa: F811
+    """Once a layer's bytes a token are known, a job checks for its next layer's whole build (the
+    segments and their hash codes beside them), not just for free memory above the reserve."""
+    from tests.test_backend_unit import SPARSE_LAYER
+    from tests.test_background_index import _prefilled
+    from vllm_magicpig.index import segment_owner
+
+    h = _prefilled(vllm_env, [3000, 2900])
+    node = _short_node(h, 1 * GIB)
+    h.spec = BatchSpec([3000], [1])
+    h.step()
+    _, _, meta = h.step()
+    assert meta.sparse_plan.sparse == [0]  # the first prompt indexed: the layer's size is known
+    layer_build = h.runtime.index.build_need(segment_owner(SPARSE_LAYER, 1, 64), 2000)
+    guard = h.runtime.index.node_guard
+    readings = iter([node.available()])  # the planner's; the job's then see room for half a build
+    guard._available = lambda: next(readings, guard.reserve_bytes + layer_build // 2)
+    h.spec = BatchSpec([3000, 2900], [1, 1])
+    _, _, meta = h.step()
+    assert meta.sparse_plan.exact_reason == {1: "indexing"}
+    out, ref_out, meta = h.step()
+    assert meta.sparse_plan.sparse == [0] and meta.sparse_plan.exact_reason == {1: "node_memory_low"}
+    st = h.stats()
+    assert st["index"]["background_refused_node_memory"] == 1 and st["index"]["background_installed"] == 1, st
+    assert rel_err(out[0], ref_out[0]) < 2e-2 and rel_err(out[1], ref_out[1]) < 1e-2
 
 
 # --------------------------------------------------------------------------- end to end

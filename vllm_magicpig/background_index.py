@@ -50,6 +50,7 @@ class LayerJob:
     K: int
     L: int
     centering: str
+    node_need: int = 0  # what its build takes from the memory node at most (0: not known yet)
 
 
 @dataclass
@@ -126,7 +127,9 @@ class BackgroundIndexer:
         if self.index.holds_centre_segments(cid) or not self.layers:
             return True  # built at a decode before (or no layer known yet): grown synchronously
         K, L = settings.K, settings.L
-        layers = [LayerJob(ctx, kv, self._projection(ctx.head_size, K, L), K, L, settings.centering)
+        tokens = sum(ref.num_tokens for ref in refs)
+        layers = [LayerJob(ctx, kv, self._projection(ctx.head_size, K, L), K, L, settings.centering,
+                           self.index.build_need(segment_owner(ctx.name, K, L), tokens))
                   for ctx, kv in self.layers.values()]
         job = IndexJob(spec, list(refs), layers, torch.get_num_threads())
         self._pending[cid] = job
@@ -266,7 +269,7 @@ def _run(job: IndexJob, ops: Any, build: Callable[..., Any], node_guard: Any = N
             # engines sharing the node (data parallel) admit theirs at the same moments and build for
             # seconds: checked again before each layer, a job overshoots the reserve by one layer's
             # segments at most (node_memory.py). Its segments so far are freed at once.
-            if node_guard is not None and node_guard.room() <= 0:
+            if node_guard is not None and node_guard.room(lj.node_need) < max(lj.node_need, 1):
                 job.short_of_memory = True
                 job.built.clear()
                 break

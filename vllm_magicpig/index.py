@@ -119,6 +119,10 @@ ACTIVE_STEPS = 32
 # ``index_memory_mb`` beside the segments in use, or none on the memory node (``node_memory.py``).
 REFUSED_CAP = "cap"
 REFUSED_NODE_MEMORY = "node_memory"
+# A build's peak against the segment it makes: the segment, and its hash codes (2 bytes per token,
+# table and head, as its bucket ids are) in a scratch array while it is sorted (cpp/segment.cpp).
+# The mirror needs no scratch, so 2 overstates it a little.
+BUILD_PEAK = 2
 
 
 class IndexStore:
@@ -276,25 +280,39 @@ class IndexStore:
         as needed): under the cap (``REFUSED_CAP``), or in its memory node's free memory less the
         guard's reserve (``REFUSED_NODE_MEMORY``). None: they fit. Until the layer built one they
         are built to see, unless the node is short of memory already."""
-        node_cap = self.node_cap()  # before evicting: evictions leave it as it is (node_memory.py)
         per_token = self._bytes_per_token.get(layer)
-        if per_token is None:
-            return REFUSED_NODE_MEMORY if node_cap is not None and node_cap <= self.held_bytes() else None
-        need = int(per_token * tokens)
-        if cap_bytes is not None and not self.enforce_cap(cap_bytes - need):
+        need = 0 if per_token is None else int(per_token * tokens)
+        if per_token is not None and cap_bytes is not None and not self.enforce_cap(cap_bytes - need):
             return REFUSED_CAP
-        if node_cap is not None and not self.enforce_cap(node_cap - need):
-            return REFUSED_NODE_MEMORY
-        return None
+        return None if self.make_node_room(self.build_need(layer, tokens)) else REFUSED_NODE_MEMORY
+
+    def build_need(self, layer: Hashable, tokens: int) -> int:
+        """What building ``tokens`` of the layer's segments takes from the memory node at most: the
+        segments, and their hash codes beside them while they are sorted into buckets (a scratch
+        array the size of the tables, freed after). 0 until the layer built one (nothing to size by)."""
+        per_token = self._bytes_per_token.get(layer)
+        return 0 if per_token is None else int(BUILD_PEAK * per_token * tokens)
+
+    def make_node_room(self, need: int) -> bool:
+        """Whether the memory node can give the index ``need`` more bytes (0: any at all) and keep
+        the guard's reserve free, after memory held unused and then the segments no request still
+        uses are given back to it (evicting them as needed). True without a guard."""
+        guard = self.node_guard
+        if guard is None:
+            return True
+        want = max(need, 1)
+        room = guard.room(want)  # gives back memory held unused where short
+        while room < want:
+            held = self.held_bytes()
+            self.enforce_cap(held - (want - room))  # evicts idle segments, least recently used first
+            if self.held_bytes() == held:
+                return False  # all in use
+            room = guard.room(want)  # their memory went to the pool: given back now
+        return True
 
     def held_bytes(self) -> int:
         """What the store's segments hold: hash tables and K/V mirror."""
         return self.index_bytes + self.mirror_bytes
-
-    def node_cap(self) -> int | None:
-        """The most the store may hold before its memory node's free memory would fall to the
-        guard's reserve: what it holds plus the guard's room (``node_memory.py``). None: no guard."""
-        return None if self.node_guard is None else self.held_bytes() + self.node_guard.room()
 
     def prompt_bytes_per_token(self, K: int, L: int) -> float | None:
         """Bytes a token takes in the segments of every layer hashed with (K, L) (owners made by
@@ -302,6 +320,16 @@ class IndexStore:
         per_layer = [v for owner, v in self._bytes_per_token.items()
                      if isinstance(owner, tuple) and owner[1:] == (K, L)]
         return sum(per_layer) if per_layer else None
+
+    def prompt_build_need(self, K: int, L: int, tokens: int) -> int:
+        """What indexing ``tokens`` in every layer hashed with (K, L) takes from the memory node at
+        most: every layer's segments, and the build scratch of the one being built (``build_need``);
+        0 until one was built."""
+        per_layer = [v for owner, v in self._bytes_per_token.items()
+                     if isinstance(owner, tuple) and owner[1:] == (K, L)]
+        if not per_layer:
+            return 0
+        return int((sum(per_layer) + (BUILD_PEAK - 1) * max(per_layer)) * tokens)
 
     def idle_room(self, cap_bytes: int) -> int:
         """Bytes a new prompt's index could take under the cap without evicting a segment in use:
@@ -470,9 +498,9 @@ class IndexStore:
     def clear(self) -> None:
         # Centre ids stay unique for the worker's life: state outside the index is keyed by them
         # (budget mode's per-request choices), so a new prompt must never reuse a cleared one's id.
-        next_cid, on_build = self._next_cid, self.on_build
-        self.__init__(self.stats, self.grow_step)
-        self._next_cid, self.on_build = next_cid, on_build
+        next_cid, on_build, guard = self._next_cid, self.on_build, self.node_guard
+        self.__init__(self.stats, self.grow_step, self.active_steps)
+        self._next_cid, self.on_build, self.node_guard = next_cid, on_build, guard
         self._publish()
 
     def __len__(self) -> int:

@@ -13,14 +13,13 @@ the node keeps ``node_reserve_mb`` free afterwards. Where it would not, the segm
 its request is served exactly, and the stats count the reason ``node_memory_low``. Nothing is
 lost: the request's tokens are those of exact attention, and it is indexed once memory is back.
 
-Memory the index holds already does not count against it. A dropped segment's memory waits in
-the huge-page pool (``cpp/huge_pool.h``) and the next build reuses it, so what a build may take is
-
-    room = node's free memory - reserve + pooled bytes
-
-and evicting an idle segment (its memory goes to the pool, or back to the node) leaves the room as
-it was while freeing the store's bytes: the index's effective cap is ``held + room``, and the store
-evicts idle segments under it as it does under ``index_memory_mb``.
+What a build may take is the node's free memory less the reserve. Memory the worker holds without
+using it, freed segments kept in the huge-page pool (``cpp/huge_pool.h``) and the allocator's free
+pages (a build's scratch), is not counted as room: a build reuses a pooled region only where one
+fits, and takes the rest fresh (two data-parallel engines, one holding 1.3 GB in its pool, took the
+node to 0.2 GB free while both guards counted that pool as room). Where the room is short, that memory
+is given back to the node first and the node read again; idle segments are evicted and their memory
+given back too (``IndexStore.make_node_room``), before a build is refused.
 
 The check is not atomic across processes: two engines may pass it at one moment. So it is made
 before every layer's segments are built, at the layer's first decode and on the background thread
@@ -41,20 +40,31 @@ logger = logging.getLogger("vllm.magicpig")
 
 
 class NodeMemoryGuard:
-    def __init__(self, reserve_bytes: int, available: Callable[[], int], pooled: Callable[[], int]) -> None:
+    def __init__(self, reserve_bytes: int, available: Callable[[], int],
+                 give_back: Callable[[], None] | None = None) -> None:
         """``available()``: the free memory of the node the index allocates from (read at each
-        check: a file read, only on the paths where the index grows); ``pooled()``: the bytes of
-        freed segments kept for reuse."""
+        check: a file read, only on the paths where the index grows); ``give_back()``: return memory
+        the worker holds without using it to the node."""
         self.reserve_bytes = reserve_bytes
         self._available = available
-        self._pooled = pooled
+        self._give_back = give_back
         self.last_available: int | None = None  # the latest reading, for the log and the stats
+        self.gave_back = 0  # times memory was given back for a short room
         self._warned_at: float | None = None
 
-    def room(self) -> int:
-        """Bytes the index may still take before the node's free memory falls to the reserve."""
+    def room(self, need: int = 0) -> int:
+        """Bytes the index may still take before the node's free memory falls to the reserve. Where
+        that is short of ``need`` (or of one byte), memory held unused is given back first."""
+        room = self._read() - self.reserve_bytes
+        if room < max(need, 1) and self._give_back is not None:
+            self._give_back()
+            self.gave_back += 1
+            room = self._read() - self.reserve_bytes
+        return room
+
+    def _read(self) -> int:
         self.last_available = self._available()
-        return self.last_available - self.reserve_bytes + self._pooled()
+        return self.last_available
 
     def note_refusal(self) -> None:
         """A build was refused for the node's memory: say so in the log, at most every WARN_EVERY_S."""
@@ -73,9 +83,31 @@ class NodeMemoryGuard:
 
 
 def worker_guard(reserve_mb: int, ops) -> NodeMemoryGuard:
-    """The guard of a worker whose index allocates through ``ops`` (its pool's stats), reading the
-    free memory of the worker's memory node as vLLM's CPU worker does."""
+    """The guard of a worker whose index allocates through ``ops``, reading the free memory of the
+    worker's memory node as vLLM's CPU worker does."""
     from vllm_magicpig.host_memory import node_available_reader
 
-    return NodeMemoryGuard(reserve_mb * MIB, node_available_reader(),
-                           lambda: int(ops.memory_pool_stats().get("pooled_bytes", 0)))
+    def give_back() -> None:
+        ops.release_pooled()
+        trim_allocator()
+
+    return NodeMemoryGuard(reserve_mb * MIB, node_available_reader(), give_back)
+
+
+def trim_allocator() -> None:
+    """Return the C allocator's free pages to the OS (glibc's malloc_trim, every arena): a build's
+    scratch (hash codes, gathered rows) is freed into the arena of the thread that built it, and
+    stays counted against the node until trimmed. Nothing where the C library has no malloc_trim."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

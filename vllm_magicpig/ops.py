@@ -58,6 +58,10 @@ class SparseDecodeOps(Protocol):
     def memory_pool_stats(self) -> dict[str, int]:
         """``{"pooled_bytes": ...}``: freed segment memory kept for reuse (not in ``index_bytes``)."""
 
+    def release_pooled(self) -> None:
+        """Give the freed segment memory kept for reuse back to the OS now (the memory node is short:
+        ``node_memory.py``); later frees are kept again, within the cap."""
+
 
 class CpuKernelOps:
     """The C++ kernel (``vllm_magicpig.kernel``) over host memory.
@@ -95,6 +99,12 @@ class CpuKernelOps:
     def set_memory_cap(self, cap_bytes):
         # The pool is process-wide: one worker process serves one model, so one runtime sets it.
         self._kernel.set_huge_pool_limit(cap_bytes)
+
+    def release_pooled(self):
+        # a limit of 0 unmaps every pooled region (live ones stay); then frees are kept again
+        limit = self._kernel.huge_pool_stats()["limit_bytes"]
+        self._kernel.set_huge_pool_limit(0)
+        self._kernel.set_huge_pool_limit(limit)
 
     def memory_pool_stats(self):
         return {"pooled_bytes": self._kernel.huge_pool_stats()["pooled_bytes"]}

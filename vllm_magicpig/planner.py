@@ -187,10 +187,10 @@ class StepPlanner:
         self.mirror = mirror
         self.cost = cost
         self.cap_bytes = cap_bytes
-        # this step's idle_room under the cap and under the node's guard (index.node_cap; None: no
-        # guard), less what new prompts admitted in it need
+        # this step's idle_room under the cap, less what new prompts admitted in it need; and what
+        # the memory node must still give the index (jobs being built, new prompts admitted)
         self._room: float | None = None
-        self._node_room: float | None = None
+        self._node_claimed = 0.0
         self.unit = cfg.segment_tokens
         self.largest = largest_segment(cfg)
         # last block written by a prefill chunk -> sequence length after it; a decode
@@ -322,20 +322,21 @@ class StepPlanner:
             return None
         per_token = self.index.prompt_bytes_per_token(settings.K, settings.L)
         if self._room is None:
-            node_cap = self.index.node_cap()
-            pending = (self.indexer.pending_tokens() if self.indexer is not None else 0) * (per_token or 0)
-            self._room = self.index.idle_room(self.cap_bytes) - pending
-            self._node_room = None if node_cap is None else self.index.idle_room(node_cap) - pending
+            pending_tokens = self.indexer.pending_tokens() if self.indexer is not None else 0
+            self._room = self.index.idle_room(self.cap_bytes) - pending_tokens * (per_token or 0)
+            self._node_claimed = self.index.prompt_build_need(settings.K, settings.L, pending_tokens)
         # nothing built yet to size it by: build and see, unless the node is short of memory now
         need = 0.0 if per_token is None else per_token * tokens
         if need > self._room:
             return EXACT_EVICTED
-        if self._node_room is not None and need >= self._node_room:
+        # what its build takes from the node at most (idle segments are evicted, and memory held
+        # unused given back, to make room)
+        node_need = self.index.prompt_build_need(settings.K, settings.L, tokens)
+        if not self.index.make_node_room(int(self._node_claimed + node_need)):
             self.index.node_guard.note_refusal()
             return EXACT_NODE_MEMORY
         self._room -= need  # the next new prompt of this step fits beside this one, or not
-        if self._node_room is not None:
-            self._node_room -= need
+        self._node_claimed += node_need
         return None
 
     def _indexed(self, cid: int) -> bool:
