@@ -27,6 +27,7 @@ from pathlib import Path
 
 GIB, MIB = 2**30, 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
+METRICS_SETTLE_S = 25  # vLLM's stats interval (10 s) and MAGICPIG's trailing fetch after activity
 
 
 def summarize(samples: list[tuple[float, int]], reserve_bytes: int) -> dict:
@@ -108,6 +109,8 @@ def main() -> None:
         with ThreadPoolExecutor(args.requests) as ex:
             answers = list(ex.map(ask, prompts))
         wall = time.monotonic() - t0
+        # /metrics is refreshed from the workers an interval after activity (metrics.py): the last one
+        time.sleep(METRICS_SETTLE_S)
         engines = engine_metrics(requests.get(f"{srv.url}/metrics", timeout=30).text)
     finally:
         done.set()
