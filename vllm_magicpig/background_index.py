@@ -267,8 +267,9 @@ def _run(job: IndexJob, ops: Any, build: Callable[..., Any], node_guard: Any = N
         for lj in job.layers:
             # The planner admitted the whole prompt against the node's free memory at submission, but
             # engines sharing the node (data parallel) admit theirs at the same moments and build for
-            # seconds: checked again before each layer, a job overshoots the reserve by one layer's
-            # segments at most (node_memory.py). Its segments so far are freed at once.
+            # seconds: checked again before each layer, for that layer's build (segments and hash
+            # codes), a job passes the reserve only where another engine took the room since its
+            # check, by one layer's build at most (node_memory.py). What it built so far is freed.
             if node_guard is not None and node_guard.room(lj.node_need) < max(lj.node_need, 1):
                 job.short_of_memory = True
                 job.built.clear()

@@ -153,7 +153,7 @@ class IndexStore:
         self.index_bytes = 0
         self.mirror_bytes = 0
         # layer -> bytes a token of its last stored (or refused) segment took, index and mirror:
-        # what a new segment's room is checked against before it is built (_room_for)
+        # what a new segment's room is checked against before it is built (_no_room)
         self._bytes_per_token: dict[Hashable, float] = {}
         # checks the index's growth against its memory node's free memory (node_memory.py); None:
         # against the cap only (the runtime sets it)
@@ -314,22 +314,22 @@ class IndexStore:
         """What the store's segments hold: hash tables and K/V mirror."""
         return self.index_bytes + self.mirror_bytes
 
+    def _layers_bytes_per_token(self, K: int, L: int) -> list[float]:
+        """Each layer's bytes a token hashed with (K, L) (owners made by ``segment_owner``), from its
+        last segment; layers that built none are not listed."""
+        return [v for owner, v in self._bytes_per_token.items() if isinstance(owner, tuple) and owner[1:] == (K, L)]
+
     def prompt_bytes_per_token(self, K: int, L: int) -> float | None:
-        """Bytes a token takes in the segments of every layer hashed with (K, L) (owners made by
-        ``segment_owner``), from each layer's last segment; None until one was built."""
-        per_layer = [v for owner, v in self._bytes_per_token.items()
-                     if isinstance(owner, tuple) and owner[1:] == (K, L)]
+        """Bytes a token takes in the segments of every layer hashed with (K, L); None until one was built."""
+        per_layer = self._layers_bytes_per_token(K, L)
         return sum(per_layer) if per_layer else None
 
     def prompt_build_need(self, K: int, L: int, tokens: int) -> int:
         """What indexing ``tokens`` in every layer hashed with (K, L) takes from the memory node at
         most: every layer's segments, and the build scratch of the one being built (``build_need``);
         0 until one was built."""
-        per_layer = [v for owner, v in self._bytes_per_token.items()
-                     if isinstance(owner, tuple) and owner[1:] == (K, L)]
-        if not per_layer:
-            return 0
-        return int((sum(per_layer) + (BUILD_PEAK - 1) * max(per_layer)) * tokens)
+        per_layer = self._layers_bytes_per_token(K, L)
+        return int((sum(per_layer) + (BUILD_PEAK - 1) * max(per_layer)) * tokens) if per_layer else 0
 
     def idle_room(self, cap_bytes: int) -> int:
         """Bytes a new prompt's index could take under the cap without evicting a segment in use:

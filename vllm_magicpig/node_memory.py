@@ -21,11 +21,13 @@ node to 0.2 GB free while both guards counted that pool as room). Where the room
 is given back to the node first and the node read again; idle segments are evicted and their memory
 given back too (``IndexStore.make_node_room``), before a build is refused.
 
-The check is not atomic across processes: two engines may pass it at one moment. So it is made
-before every layer's segments are built, at the layer's first decode and on the background thread
-alike (``background_index._run``, which stops a prompt's job between layers and frees what it
-built): each engine overshoots by one layer's segments at most (~12 MB for a 7K-token prompt at
-K=10, L=150, SmolLM2's shapes), far less than the reserve.
+A build is checked for its peak: its segments, and their hash codes beside them while they are
+sorted (``index.BUILD_PEAK``). The check is not atomic across processes: two engines may pass it at
+one moment. So it is made before every layer's build, at the layer's first decode and on the
+background thread alike (``background_index._run``, which stops a prompt's job between layers and
+frees what it built): engines that check at one moment each take at most one layer's build past
+the reserve (~24 MB for a 7K-token prompt at K=10, L=150, SmolLM2's shapes), far less than it.
+``benchmarks/data_parallel_memory.py`` runs two engines whose caps fit one.
 """
 from __future__ import annotations
 
