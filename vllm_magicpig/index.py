@@ -296,7 +296,8 @@ class IndexStore:
     def make_node_room(self, need: int) -> bool:
         """Whether the memory node can give the index ``need`` more bytes (0: any at all) and keep
         the guard's reserve free, after memory held unused and then the segments no request still
-        uses are given back to it (evicting them as needed). True without a guard."""
+        uses are given back to it (evicting them as needed). True without a guard. False is a
+        refusal: the guard logs it (rate-limited)."""
         guard = self.node_guard
         if guard is None:
             return True
@@ -305,8 +306,9 @@ class IndexStore:
         while room < want:
             held = self.held_bytes()
             self.enforce_cap(held - (want - room))  # evicts idle segments, least recently used first
-            if self.held_bytes() == held:
-                return False  # all in use
+            if self.held_bytes() == held:  # all in use
+                guard.note_refusal()
+                return False
             room = guard.room(want)  # their memory went to the pool: given back now
         return True
 
@@ -347,7 +349,6 @@ class IndexStore:
         self.stats.index["segments_refused"] += 1  # no room: not kept
         if why == REFUSED_NODE_MEMORY:
             self.stats.index["segments_refused_node_memory"] += 1
-            self.node_guard.note_refusal()
         self.last_refusal = why
         return None
 

@@ -333,7 +333,6 @@ class StepPlanner:
         # unused given back, to make room)
         node_need = self.index.prompt_build_need(settings.K, settings.L, tokens)
         if not self.index.make_node_room(int(self._node_claimed + node_need)):
-            self.index.node_guard.note_refusal()
             return EXACT_NODE_MEMORY
         self._room -= need  # the next new prompt of this step fits beside this one, or not
         self._node_claimed += node_need
