@@ -108,6 +108,30 @@ def test_idle_segments_are_evicted_and_their_memory_given_back_for_a_build_the_n
     assert node.available() - RESERVE == 4000 and node.gave_back >= 1  # the segment's memory went back
 
 
+def grown_ref(cid: int):
+    return ref(cid, 0, 512, (10, 11, 12, 13), first=4)
+
+
+def test_a_growth_is_checked_for_the_merged_segment_made_beside_its_base():
+    """A growth builds its new tokens, then merges them with the base into a new segment while the
+    base is still held: the node must hold the part and the whole merged segment, not the part's
+    build alone. Here 4,000 bytes a 252-token segment (15.9 a token): the part's build (2 x 256
+    tokens) takes 8,127, the growth's peak (256 + 512 tokens) 12,190; the node has 10,000."""
+    store = IndexStore(Stats(), grow_step=256, active_steps=2)
+    node = Node(RESERVE + 14000, store)
+    store.node_guard = NodeMemoryGuard(RESERVE, node.available, node.give_back)
+    builds, (base_ref,) = Counting(), refs_for(store, 1)
+    assert store.get_or_build(LAYER, base_ref, builds, merge) is not None
+    store.begin_step()  # the base is still in use (active_steps=2): it cannot make way
+    grown = grown_ref(base_ref.key[0])
+    assert store.get_or_build(LAYER, grown, builds, merge) is None
+    assert store.last_refusal == REFUSED_NODE_MEMORY and builds.calls == 1
+    node.other -= 2200  # room for the merge
+    seg = store.get_or_build(LAYER, grown, builds, merge)
+    assert seg is not None and seg.tokens == (4, 512) and store.stats.index["segments_merged"] == 1
+    assert store.peek_segment(LAYER, base_ref.key) is None  # the base is replaced
+
+
 def test_before_any_build_a_node_already_short_refuses_it():
     """The layer's bytes a token are unknown until one segment is built: it is built to see, unless
     the node is at its reserve already."""

@@ -257,7 +257,7 @@ class IndexStore:
             base = self.peek_segment(layer, base_key)
             if base is None:
                 continue
-            why = self._no_room(layer, size - shorter, cap_bytes)  # the growth: the base makes way
+            why = self._no_room(layer, size - shorter, cap_bytes, merged=size)  # the base makes way
             if why is not None:
                 return self._refuse(why)
             rest = self._build(build, SegmentRef(SegmentKey(cid, start + shorter, size - shorter,
@@ -274,24 +274,28 @@ class IndexStore:
             return self._refuse(why)
         return self._store(layer, ref, self._build(build, ref), cap_bytes)
 
-    def _no_room(self, layer: Hashable, tokens: int, cap_bytes: int | None) -> str | None:
+    def _no_room(self, layer: Hashable, tokens: int, cap_bytes: int | None, merged: int = 0) -> str | None:
         """Why ``tokens`` more tokens of the layer's segments would not fit, at the bytes a token of
         its last segment took, once the segments no request still uses are evicted (evicting them
         as needed): under the cap (``REFUSED_CAP``), or in its memory node's free memory less the
         guard's reserve (``REFUSED_NODE_MEMORY``). None: they fit. Until the layer built one they
-        are built to see, unless the node is short of memory already."""
+        are built to see, unless the node is short of memory already. ``merged``: see build_need."""
         per_token = self._bytes_per_token.get(layer)
         need = 0 if per_token is None else int(per_token * tokens)
         if per_token is not None and cap_bytes is not None and not self.enforce_cap(cap_bytes - need):
             return REFUSED_CAP
-        return None if self.make_node_room(self.build_need(layer, tokens)) else REFUSED_NODE_MEMORY
+        return None if self.make_node_room(self.build_need(layer, tokens, merged)) else REFUSED_NODE_MEMORY
 
-    def build_need(self, layer: Hashable, tokens: int) -> int:
+    def build_need(self, layer: Hashable, tokens: int, merged: int = 0) -> int:
         """What building ``tokens`` of the layer's segments takes from the memory node at most: the
         segments, and their hash codes beside them while they are sorted into buckets (a scratch
-        array the size of the tables, freed after). 0 until the layer built one (nothing to size by)."""
+        array the size of the tables, freed after). A growth (``merged``: the grown segment's
+        tokens) then merges the new part with its base into a new segment while both are held, the
+        base freed only after: its peak is the new part and the whole merged segment, where that is
+        more (a 16K-token segment grown by 512 tokens, the default step: 17x the part's build).
+        0 until the layer built one (nothing to size by)."""
         per_token = self._bytes_per_token.get(layer)
-        return 0 if per_token is None else int(BUILD_PEAK * per_token * tokens)
+        return 0 if per_token is None else int(per_token * max(BUILD_PEAK * tokens, tokens + merged))
 
     def make_node_room(self, need: int) -> bool:
         """Whether the memory node can give the index ``need`` more bytes (0: any at all) and keep
@@ -309,7 +313,9 @@ class IndexStore:
             if self.held_bytes() == held:  # all in use
                 guard.note_refusal()
                 return False
-            room = guard.room(want)  # their memory went to the pool: given back now
+            # Their memory went to the pool and is given back now; the node is read again rather than
+            # credited with their bytes, as a segment still referenced (a growth's own base) frees none.
+            room = guard.room(want)
         return True
 
     def held_bytes(self) -> int:

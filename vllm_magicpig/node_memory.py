@@ -22,7 +22,8 @@ is given back to the node first and the node read again; idle segments are evict
 given back too (``IndexStore.make_node_room``), before a build is refused.
 
 A build is checked for its peak: its segments, and their hash codes beside them while they are
-sorted (``index.BUILD_PEAK``). The check is not atomic across processes: two engines may pass it at
+sorted (``index.BUILD_PEAK``); a growth, for its new tokens and the merged segment, made while its
+base is still held (``IndexStore.build_need``). The check is not atomic across processes: two engines may pass it at
 one moment. So it is made before every layer's build, at the layer's first decode and on the
 background thread alike (``background_index._run``, which stops a prompt's job between layers and
 frees what it built): engines that check at one moment each take at most one layer's build past
