@@ -277,12 +277,14 @@ using SegmentPtr = std::shared_ptr<const Segment>;
 // ---- ISA (isa.cpp) ----
 // The instruction sets a call may run on, slowest to fastest (the order is compared).  Resolved once
 // at the top of each entry point; nothing below the entry point re-detects or re-reads the environment.
-enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16 };
-constexpr Isa kIsas[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16};  // every one, in that order
+// Amx is Avx512Bf16 with AMX tiles (and the OS's leave to use them) for the key hash, the one
+// matrix product large enough for them; attention runs the Avx512Bf16 path there.
+enum class Isa { Scalar, Avx2, Avx512, Avx512Bf16, Amx };
+constexpr Isa kIsas[] = {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};  // in that order
 // The fastest ISA this CPU runs, capped by MAGICPIG_ISA, or Scalar when force_scalar says so.
 Isa resolve_isa(bool force_scalar);
 Isa cpu_isa();                  // the fastest ISA this CPU runs, whatever MAGICPIG_ISA says
-const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
+const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512", "avx512_bf16", "amx"
 const char* active_isa();       // isa_name(resolve_isa(false))
 
 // ---- hashing (hash.cpp) ----
@@ -303,24 +305,29 @@ void hash_rows_strided(const float* x, int T, int d, const float* w, int ldw, in
 //    float32), compared with c . w; half the instructions of the float32 FMAs, keys read as they
 //    are in the cache.  Chosen by the CPU (and MAGICPIG_ISA), never by force_scalar: force_scalar
 //    runs the chosen method's scalar twin.
-enum class KeyHash { kCentredFp32, kBf16Pairs };
+//  - kAmxTiles: kBf16Pairs's products on AMX tiles (Isa::Amx, d a multiple of 32), summed in an order
+//    the hardware does not document: its scalar twin is kBf16Pairs's, agreeing up to ties.
+enum class KeyHash { kCentredFp32, kBf16Pairs, kAmxTiles };
 KeyHash key_hash_for(int dtype, const float* w, int d, int K, int L);
-const char* key_hash_name(KeyHash h);  // "centred_fp32", "bf16_pairs"
+const char* key_hash_name(KeyHash h);  // "centred_fp32", "bf16_pairs", "amx_tiles"
 
-// kBf16Pairs for one build: the projection packed as bf16 pairs [d/2][K*L][2] and c . w per KV head.
-// Reads w (the scalar twin) until it is destroyed.
+// kBf16Pairs (or kAmxTiles, with amx_tiles) for one build: the projection packed as bf16 pairs
+// [d/2][K*L][2] (and as AMX tiles) and c . w per KV head.  Reads w (the scalar twin) until it is destroyed.
 class Bf16KeyHasher {
  public:
-  Bf16KeyHasher(const float* w, int d, int K, int L, const float* centre, int hkv, bool force_scalar);
+  Bf16KeyHasher(const float* w, int d, int K, int L, const float* centre, int hkv, bool force_scalar,
+                bool amx_tiles = false);
   // codes[t*L + l] of the T bf16 key rows at keys + t * row_stride (KV head h's centre).
   void hash(const uint16_t* keys, size_t row_stride, int T, int h, uint16_t* codes) const;
 
  private:
   const float* w_;
   int d_, K_, L_;
-  bool simd_;
-  std::vector<uint16_t> pairs_;  // [d/2][C][2]: w[2i][c], w[2i+1][c]
-  std::vector<float> cw_;        // [hkv][C]: c_h . w[:, c], summed in double
+  bool simd_, amx_;
+  int cp_;                           // columns as stored: C, rounded up to 32 for the tiles
+  std::vector<uint16_t> pairs_;      // [d/2][C][2]: w[2i][c], w[2i+1][c]
+  std::vector<uint16_t> amx_tiles_;  // kAmxTiles: pairs_ as [d/32][cp/16] tiles of [16][16][2]
+  std::vector<float> cw_;            // [hkv][cp]: c_h . w[:, c], summed in double; 0 past C
 };
 
 // ---- segment building (segment.cpp) ----

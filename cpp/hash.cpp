@@ -303,6 +303,92 @@ void bf16_pairs_rows_avx512(const uint16_t* keys, size_t row_stride, int T, int 
         kBf16PairsGroups[nr - 1](kr, d, pairs, C, cw, masks, stride);
       });
 }
+
+#if __GNUC__ >= 11
+#define MP_AMX_TILES __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+#define MP_HAS_AMX_HASH 1
+
+// ---- kAmxTiles: the bf16-pairs key hash as a tile matrix product ----
+//
+// keys [T x d] . w [d x C] on AMX tiles: a tile product (tdpbf16ps) is 16 keys x 16 columns x 32
+// elements, 8,192 pair products in one instruction, where vdpbf16ps gives 32 (the AVX-512 pairs path
+// ran at 95 GFLOP/s on this kind of Xeon, slower than its float32 FMAs: results/index_build_amx.md).
+// A block is 32 keys x 32 columns: four accumulator tiles (0-3), two of keys (4, 5), two of w (6, 7).
+// The key tiles are read straight from the rows (any row stride); a block with fewer than 32 keys left
+// reads them from a zero-padded copy instead, so no tile reads past the rows.  The products are the
+// pairs path's (bf16 x bf16, exact in float32) summed in float32 in an order the hardware does not
+// document; the scalar twin (bf16_pairs_rows_scalar) sums the same products in its own order, so
+// the two agree up to float32 ties, as the float32 path's FMA and mul+add twins do.  A key's sums do
+// not depend on the keys beside it (tile rows are independent), so merges and rebuilds agree.
+constexpr int kAmxRows = 16, kAmxPairRows = 16, kAmxCols = 16;  // a tile: 16 rows of 64 bytes
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+MP_AMX_TILES void amx_pairs_rows(const uint16_t* keys, size_t row_stride, int T, int d, const uint16_t* tiles, int Cp,
+                                 const float* cw, int K, int L, uint16_t* codes) {
+  // The thread's tile configuration is put back after: vLLM's own AMX attention may run on this
+  // thread between builds, keeping the configuration it loaded.
+  alignas(64) uint8_t saved[64];
+  _tile_storeconfig(saved);
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  const int ksteps = d / 32, ctiles = Cp / kAmxCols, stride = Cp / 16 + 2;  // + 2: pack_from_masks reads 4 bytes
+  const size_t tile_elems = static_cast<size_t>(kAmxPairRows) * kAmxCols * 2;
+  std::vector<uint16_t> masks(static_cast<size_t>(2 * kAmxRows) * stride, 0);
+  std::vector<uint16_t> pad;
+  alignas(64) float acc[2 * kAmxRows][2 * kAmxCols];
+  for (int r0 = 0; r0 < T; r0 += 2 * kAmxRows) {
+    const int nr = std::min(2 * kAmxRows, T - r0);
+    const uint16_t* a = keys + static_cast<size_t>(r0) * row_stride;
+    size_t a_stride = row_stride * 2;
+    if (nr < 2 * kAmxRows) {
+      pad.assign(static_cast<size_t>(2 * kAmxRows) * d, 0);
+      for (int r = 0; r < nr; ++r) std::memcpy(pad.data() + static_cast<size_t>(r) * d, a + r * row_stride, d * 2);
+      a = pad.data();
+      a_stride = static_cast<size_t>(d) * 2;
+    }
+    const uint16_t* a1 = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(a) + kAmxRows * a_stride);
+    for (int ct = 0; ct < ctiles; ct += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int ks = 0; ks < ksteps; ++ks) {
+        const uint16_t* b = tiles + (static_cast<size_t>(ks) * ctiles + ct) * tile_elems;
+        _tile_loadd(4, a + ks * 32, a_stride);
+        _tile_loadd(5, a1 + ks * 32, a_stride);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + tile_elems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, &acc[0][0], sizeof acc[0]);
+      _tile_stored(1, &acc[0][kAmxCols], sizeof acc[0]);
+      _tile_stored(2, &acc[kAmxRows][0], sizeof acc[0]);
+      _tile_stored(3, &acc[kAmxRows][kAmxCols], sizeof acc[0]);
+      const __m512 t0 = _mm512_loadu_ps(cw + ct * kAmxCols), t1 = _mm512_loadu_ps(cw + (ct + 1) * kAmxCols);
+      for (int r = 0; r < nr; ++r) {
+        masks[static_cast<size_t>(r) * stride + ct] = _mm512_cmp_ps_mask(_mm512_load_ps(acc[r]), t0, _CMP_GT_OQ);
+        masks[static_cast<size_t>(r) * stride + ct + 1] =
+            _mm512_cmp_ps_mask(_mm512_load_ps(acc[r] + kAmxCols), t1, _CMP_GT_OQ);
+      }
+    }
+    for (int r = 0; r < nr; ++r)
+      pack_from_masks(masks.data() + static_cast<size_t>(r) * stride, K, L, codes + static_cast<size_t>(r0 + r) * L);
+  }
+  if (saved[0] != 0)
+    _tile_loadconfig(saved);
+  else
+    _tile_release();
+}
+#endif
 #endif
 
 bool bf16_valued(const float* w, size_t n) {
@@ -318,20 +404,36 @@ bool bf16_valued(const float* w, size_t n) {
 
 KeyHash key_hash_for(int dtype, const float* w, int d, int K, int L) {
 #if defined(MP_HAS_BF16_HASH)
-  if (dtype == BF16 && d % 2 == 0 && resolve_isa(false) >= Isa::Avx512Bf16 &&
-      bf16_valued(w, static_cast<size_t>(d) * K * L))
+  const Isa isa = resolve_isa(false);
+  if (dtype == BF16 && d % 2 == 0 && isa >= Isa::Avx512Bf16 && bf16_valued(w, static_cast<size_t>(d) * K * L)) {
+#if defined(MP_HAS_AMX_HASH)
+    if (isa >= Isa::Amx && d % 32 == 0) return KeyHash::kAmxTiles;  // a tile's depth is 32 elements
+#endif
     return KeyHash::kBf16Pairs;
+  }
 #else
   (void)dtype, (void)w, (void)d, (void)K, (void)L;
 #endif
   return KeyHash::kCentredFp32;
 }
 
-const char* key_hash_name(KeyHash h) { return h == KeyHash::kBf16Pairs ? "bf16_pairs" : "centred_fp32"; }
+const char* key_hash_name(KeyHash h) {
+  switch (h) {
+    case KeyHash::kAmxTiles:
+      return "amx_tiles";
+    case KeyHash::kBf16Pairs:
+      return "bf16_pairs";
+    case KeyHash::kCentredFp32:
+      break;
+  }
+  return "centred_fp32";
+}
 
-Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* centre, int hkv, bool force_scalar)
-    : w_(w), d_(d), K_(K), L_(L), simd_(!force_scalar) {
+Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* centre, int hkv, bool force_scalar,
+                             bool amx_tiles)
+    : w_(w), d_(d), K_(K), L_(L), simd_(!force_scalar), amx_(amx_tiles && !force_scalar) {
   const int C = K * L;
+  cp_ = amx_ ? (C + 2 * kAmxCols - 1) / (2 * kAmxCols) * (2 * kAmxCols) : C;
   pairs_.resize(static_cast<size_t>(d) * C);
   for (int i = 0; i < d / 2; ++i) {
     const float* w0 = w + static_cast<size_t>(2 * i) * C;
@@ -346,7 +448,7 @@ Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* c
   }
   // c_h . w per column, in double; rows of w outermost so the inner loop runs along a row (a
   // growth step's build of a few hundred tokens pays this once)
-  cw_.resize(static_cast<size_t>(hkv) * C);
+  cw_.assign(static_cast<size_t>(hkv) * cp_, 0.f);  // padding columns: 0 > 0, bits never read
   std::vector<double> sum(C);
   for (int h = 0; h < hkv; ++h) {
     std::fill(sum.begin(), sum.end(), 0.0);
@@ -355,13 +457,29 @@ Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* c
       const float* wj = w + static_cast<size_t>(j) * C;
       for (int c = 0; c < C; ++c) sum[c] += cj * wj[c];
     }
-    for (int c = 0; c < C; ++c) cw_[static_cast<size_t>(h) * C + c] = static_cast<float>(sum[c]);
+    for (int c = 0; c < C; ++c) cw_[static_cast<size_t>(h) * cp_ + c] = static_cast<float>(sum[c]);
   }
+  if (!amx_) return;
+  // w as the tiles read it: [d/32][cp/16] tiles, each 16 pair rows x 16 columns x (w[2i][c], w[2i+1][c]),
+  // one contiguous 1 KB tile apiece; columns past C are zero.
+  const int ctiles = cp_ / kAmxCols;
+  amx_tiles_.assign(static_cast<size_t>(d) * cp_, 0);
+  for (int i = 0; i < d / 2; ++i)
+    for (int c = 0; c < C; ++c) {
+      const size_t tile = static_cast<size_t>(i / kAmxPairRows) * ctiles + c / kAmxCols;
+      uint16_t* dst = amx_tiles_.data() + tile * kAmxPairRows * kAmxCols * 2 +
+                      (static_cast<size_t>(i % kAmxPairRows) * kAmxCols + c % kAmxCols) * 2;
+      dst[0] = pairs_[(static_cast<size_t>(i) * C + c) * 2];
+      dst[1] = pairs_[(static_cast<size_t>(i) * C + c) * 2 + 1];
+    }
 }
 
 void Bf16KeyHasher::hash(const uint16_t* keys, size_t row_stride, int T, int h, uint16_t* codes) const {
   const int C = K_ * L_;
-  const float* cw = cw_.data() + static_cast<size_t>(h) * C;
+  const float* cw = cw_.data() + static_cast<size_t>(h) * cp_;
+#if defined(MP_HAS_AMX_HASH)
+  if (amx_) return amx_pairs_rows(keys, row_stride, T, d_, amx_tiles_.data(), cp_, cw, K_, L_, codes);
+#endif
 #if defined(MP_HAS_BF16_HASH)
   if (simd_) return bf16_pairs_rows_avx512(keys, row_stride, T, d_, pairs_.data(), C, cw, K_, L_, codes);
 #endif

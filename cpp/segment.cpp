@@ -187,9 +187,10 @@ std::shared_ptr<Segment> build_segment(const uint16_t* keys, const uint16_t* val
   Segment& s = *sp;
   std::vector<uint16_t> codes(static_cast<size_t>(hkv) * L * n);
   const int TB = kMirrorBlock, nblk = (n + TB - 1) / TB;
-  std::unique_ptr<Bf16KeyHasher> pairs;  // kBf16Pairs: hashes the keys as the cache holds them
-  if (key_hash_for(dtype, w, d, K, L) == KeyHash::kBf16Pairs)
-    pairs = std::make_unique<Bf16KeyHasher>(w, d, K, L, centre, hkv, force_scalar);
+  std::unique_ptr<Bf16KeyHasher> pairs;  // kBf16Pairs, kAmxTiles: hash the keys as the cache holds them
+  const KeyHash method = key_hash_for(dtype, w, d, K, L);
+  if (method != KeyHash::kCentredFp32)
+    pairs = std::make_unique<Bf16KeyHasher>(w, d, K, L, centre, hkv, force_scalar, method == KeyHash::kAmxTiles);
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> x(pairs ? 0 : static_cast<size_t>(TB) * d);

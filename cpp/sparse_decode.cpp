@@ -123,7 +123,7 @@ int64_t sparse_decode(const AttnArgs& in) {
     args.qcodes = tls_qcodes.data();
     args.qdc = tls_qdc.data();
   }
-  Isa isa = resolve_isa(args.force_scalar);
+  Isa isa = std::min(resolve_isa(args.force_scalar), Isa::Avx512Bf16);  // AMX tiles: the key hash only
   // The bf16 dot needs both operands exactly bf16; otherwise the plain AVX-512 path.
   if (isa == Isa::Avx512Bf16 && !(args.q_dtype == BF16 && args.dtype == BF16)) isa = Isa::Avx512;
   const float* neg_log_u_table = corr_table(args.K, args.L_read);

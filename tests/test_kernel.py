@@ -158,15 +158,24 @@ def bf16_valued(W):
 
 
 # Which key hash a build takes here (kernel.key_hash): bf16 keys against a bf16-valued projection on
-# an AVX-512 BF16 path; float32 k - c otherwise.
-BF16_PAIRS_HERE = kx.active_isa() == "avx512_bf16"
+# an AVX-512 BF16 path (on AMX tiles where the path is "amx" and D a multiple of 32); float32 k - c
+# otherwise.
+BF16_PAIRS_HERE = kx.active_isa() in ("avx512_bf16", "amx")
+
+
+def pairs_hash_here(D: int) -> str:
+    """What key_hash says here for bf16 keys of head_dim D against a bf16-valued projection."""
+    if kx.active_isa() == "amx" and D % 32 == 0:
+        return "amx_tiles"
+    return "bf16_pairs" if BF16_PAIRS_HERE else "centred_fp32"
 
 
 @pytest.mark.parametrize("projection", ["float32", "bf16_valued"])
 @pytest.mark.parametrize("K,L,n", [(10, 150, 1500), (16, 8, 700), (1, 32, 50), (7, 3, 5000)])
 def test_codes_match_reference(K, L, n, projection):
     """Both key hashes (kernel.key_hash) against the float64 codes of k - c; the projection decides
-    which one a build takes (bf16 keys, a bf16-valued projection and an AVX-512 BF16 CPU: bf16_pairs)."""
+    which one a build takes (bf16 keys, a bf16-valued projection and an AVX-512 BF16 CPU: bf16_pairs,
+    or amx_tiles on AMX)."""
     seed, gen = new_seed()
     hkv, D = 2, 64
     keys, vals = make_keys(n, hkv, D, gen)
@@ -175,7 +184,7 @@ def test_codes_match_reference(K, L, n, projection):
     if projection == "bf16_valued":
         W = bf16_valued(W)
     pairs = projection == "bf16_valued" and BF16_PAIRS_HERE
-    assert kx.key_hash(keys.dtype, W, K, L) == ("bf16_pairs" if pairs else "centred_fp32")
+    assert kx.key_hash(keys.dtype, W, K, L) == (pairs_hash_here(D) if pairs else "centred_fp32")
     seg = kx.build_segment(keys, vals, centre, W, K, L)
     got = seg.codes().long()
     want = ref.key_codes(keys, centre, W, K, L)
@@ -222,23 +231,27 @@ def test_scalar_hash_matches_fast(K, L, D):
     kc = keys.double() - centre.double()
     # a bf16-valued projection: the bf16-pairs key hash against its scalar twin, where it runs
     for P in (W, bf16_valued(W)):
-        pairs = kx.key_hash(keys.dtype, P, K, L) == "bf16_pairs"
+        method = kx.key_hash(keys.dtype, P, K, L)
+        pairs = method != "centred_fp32"
         fast_seg = kx.build_segment(keys, vals, centre, P, K, L)
         scalar_seg = kx.build_segment(keys, vals, centre, P, K, L, force_scalar=True)
         for h in range(hkv):
             assert_codes_agree(scalar_seg.codes()[h].T.long(), fast_seg.codes()[h].T.long(), kc[:, h], P, K, L,
-                               f"build_segment seed={seed} head={h} key hash={'bf16_pairs' if pairs else 'fp32'}",
+                               f"build_segment seed={seed} head={h} key hash={method}",
                                summed=keys[:, h] if pairs else None)
 
 
 def test_which_key_hash_a_build_takes():
     """bf16_pairs needs bf16 keys, a projection whose every entry is a bf16 value, and an AVX-512
-    BF16 path (not capped by MAGICPIG_ISA); one entry off the bf16 grid, or fp16 keys, take float32
-    k - c. force_scalar does not choose: it runs the chosen hash's scalar twin."""
+    BF16 path (not capped by MAGICPIG_ISA), amx_tiles the same on the AMX path with D a multiple of
+    32; one entry off the bf16 grid, or fp16 keys, take float32 k - c. force_scalar does not
+    choose: it runs the chosen hash's scalar twin."""
     gen = torch.Generator().manual_seed(5)
     K, L, D = 10, 150, 64
     W = bf16_valued(torch.randn(D, K * L, generator=gen))
-    assert kx.key_hash(torch.bfloat16, W, K, L) == ("bf16_pairs" if BF16_PAIRS_HERE else "centred_fp32")
+    assert kx.key_hash(torch.bfloat16, W, K, L) == pairs_hash_here(D)
+    if BF16_PAIRS_HERE:  # a depth of 48 fills no whole tile: the AVX-512 pair dot product
+        assert kx.key_hash(torch.bfloat16, W[:48], K, L) == "bf16_pairs"
     off_grid = W.clone()
     off_grid[D - 1, K * L - 1] += 2.0 ** -20  # one low mantissa bit of the last entry
     assert kx.key_hash(torch.bfloat16, off_grid, K, L) == "centred_fp32"
@@ -247,7 +260,7 @@ def test_which_key_hash_a_build_takes():
     from vllm_magicpig.runtime import simhash_projection
     P = simhash_projection(D, K, L, seed=0)
     assert torch.equal(P, bf16_valued(P))
-    assert kx.key_hash(torch.bfloat16, P, K, L) == ("bf16_pairs" if BF16_PAIRS_HERE else "centred_fp32")
+    assert kx.key_hash(torch.bfloat16, P, K, L) == pairs_hash_here(D)
     with pytest.raises(ValueError, match="projection"):
         kx.key_hash(torch.bfloat16, W[:, :-1], K, L)
     with pytest.raises(TypeError, match="keys_dtype"):
@@ -258,7 +271,8 @@ def test_which_key_hash_a_build_takes():
 def test_bf16_pairs_codes_do_not_depend_on_the_tokens_beside(D, K, L):
     """A key's codes are the same whichever build, block of 64 tokens or group of rows it falls in
     (segments are merged and rebuilt in pieces: their codes must agree with a whole build): keys
-    built whole, in two uneven parts, and one by one; the columns' masked tail (K*L % 64, % 16)."""
+    built whole, in two uneven parts, and one by one; the columns' masked tail (K*L % 64, % 16).
+    On AMX (amx_tiles), blocks of 32 keys read in place or, short, from a zero-padded copy."""
     seed, gen = new_seed()
     n, hkv = 203, 2
     keys, vals = make_keys(n, hkv, D, gen)
@@ -343,7 +357,8 @@ def test_amx_tiled_cache_matches_reference_and_its_twin_layout(name, force_scala
     case = Case(gen, lens, hkv, G, D, K, L, layout=CpuAmxLayout(), **extra)
     assert case.kview.dim() == 6 and case.vview.dim() == 6
     out, lse, cnt = check_case(case, seed, force_scalar, f"{name} AMX tiles")
-    in_place = not force_scalar and kx.active_isa().startswith("avx512") and case.kview.dtype == torch.bfloat16
+    avx512 = kx.active_isa() in ("avx512", "avx512_bf16", "amx")
+    in_place = not force_scalar and avx512 and case.kview.dtype == torch.bfloat16
     twin_layout = CpuVecLayout() if in_place else FlashLayout()
     twin = Case(torch.Generator().manual_seed(seed), lens, hkv, G, D, K, L, layout=twin_layout, **extra)
     t_out, t_lse, t_cnt = twin.run(force_scalar)

@@ -57,6 +57,16 @@ def test_kernel_subset_on_avx2():
     assert "test_scalar_hash_matches_fast[10-150-64] PASSED" in out, out[-3000:]
 
 
+@pytest.mark.skipif(kx.cpu_isa() != "amx", reason="this CPU has no AMX: avx512_bf16 is its default path")
+def test_kernel_subset_on_avx512_bf16_below_amx():
+    """On an AMX CPU the default path hashes keys on tiles; the AVX-512 BF16 pair dot product, which
+    CPUs without AMX run, is reached by capping the path."""
+    out = run_subset("avx512_bf16", SUBSET + TWINS + ["test_which_key_hash_a_build_takes"])
+    assert "test_which_key_hash_a_build_takes PASSED" in out, out[-3000:]  # it asserts bf16_pairs there
+    assert "test_scalar_hash_matches_fast[10-150-64] PASSED" in out, out[-3000:]
+    assert "test_codes_match_reference[10-150-1500-bf16_valued] PASSED" in out, out[-3000:]
+
+
 def test_unknown_isa_is_refused_at_import():
     env = {**os.environ, "MAGICPIG_ISA": "avx1024"}
     r = subprocess.run([sys.executable, "-c", "import vllm_magicpig.kernel"], cwd=ROOT, env=env,

@@ -32,7 +32,7 @@ if _C.MAX_SEGMENT_TOKENS != MAX_SEGMENT_TOKENS:
                       "(python setup.py build_ext --inplace)")
 # The kernel's paths, slowest to fastest. MAGICPIG_ISA caps the path process-wide (to run the kernel
 # as it runs on an older CPU); the C++ side reads it once, so a typo is refused here, not ignored.
-ISA_NAMES = tuple(_C.isa_names())  # ("scalar", "avx2", "avx512", "avx512_bf16")
+ISA_NAMES = tuple(_C.isa_names())  # ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
 if os.environ.get("MAGICPIG_ISA", ISA_NAMES[-1]) not in ISA_NAMES:
     raise ImportError(f"MAGICPIG_ISA={os.environ['MAGICPIG_ISA']!r} is not one of {', '.join(ISA_NAMES)}: "
                       "set one of those, or unset it to run the fastest path this CPU has")
@@ -45,15 +45,17 @@ _OUT_CODE = {torch.bfloat16: 0, torch.float32: 2}
 
 
 def active_isa() -> str:
-    """The path the kernel runs: the fastest this CPU has ("avx512_bf16", "avx512", "avx2" or
-    "scalar"), capped by ``MAGICPIG_ISA``."""
+    """The path the kernel runs: the fastest this CPU has ("amx", "avx512_bf16", "avx512", "avx2" or
+    "scalar"), capped by ``MAGICPIG_ISA``. "amx" is "avx512_bf16" with the keys hashed on AMX tiles
+    (the OS granting them); attention runs the same there."""
     return _C.active_isa()
 
 
 def key_hash(keys_dtype: torch.dtype, projection: torch.Tensor, K: int, L: int) -> str:
     """How :func:`build_segment` hashes keys of ``keys_dtype`` with ``projection [D, K*L]`` on this
     CPU (as capped by ``MAGICPIG_ISA``): ``"bf16_pairs"`` (bf16 keys, a projection of bf16 values,
-    an AVX-512 BF16 CPU: the pair dot product on the keys as the cache holds them) or
+    an AVX-512 BF16 CPU: the pair dot product on the keys as the cache holds them), ``"amx_tiles"``
+    (the same products as a tile matrix product, on the "amx" path with ``D`` a multiple of 32) or
     ``"centred_fp32"`` (float32 ``k - c``, any dtype and projection). Both give the codes of
     ``sign((k - c) . w)``, up to float32 ties."""
     if keys_dtype not in _DTYPE_CODE:
