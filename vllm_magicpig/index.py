@@ -305,17 +305,16 @@ class IndexStore:
         guard = self.node_guard
         if guard is None:
             return True
-        want = max(need, 1)
-        room = guard.room(want)  # gives back memory held unused where short
-        while room < want:
+        while not guard.fits(need):  # memory held unused is given back first
             held = self.held_bytes()
-            self.enforce_cap(held - (want - room))  # evicts idle segments, least recently used first
+            short = max(need, 1) - (guard.last_available - guard.reserve_bytes)
+            self.enforce_cap(held - short)  # evicts idle segments, least recently used first
             if self.held_bytes() == held:  # all in use
                 guard.note_refusal()
                 return False
-            # Their memory went to the pool and is given back now; the node is read again rather than
-            # credited with their bytes, as a segment still referenced (a growth's own base) frees none.
-            room = guard.room(want)
+            # Their memory went to the pool, given back at the next check; the node is read again
+            # rather than credited with their bytes, as a segment still referenced (a growth's own
+            # base) frees none.
         return True
 
     def held_bytes(self) -> int:

@@ -65,6 +65,11 @@ class NodeMemoryGuard:
             room = self._read() - self.reserve_bytes
         return room
 
+    def fits(self, need: int) -> bool:
+        """Whether ``need`` more bytes (at least one) leave the reserve free, memory held unused
+        given back first where short."""
+        return self.room(need) >= max(need, 1)
+
     def _read(self) -> int:
         self.last_available = self._available()
         return self.last_available
