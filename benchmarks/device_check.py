@@ -525,8 +525,11 @@ def section_merge(run: Run, cfg: dict) -> None:
     t = timed(lambda: merge_attn_states_standin(merged, a_out, a_lse, b_out, b_lse, merged_lse), dev, cfg["reps"])
     rel = rel_err(merged, exact)
     dlse = float((merged_lse - exact_lse).abs().max())
-    run.gate("merge.disjoint_equals_exact", rel <= 1e-5 and dlse <= 1e-5,
-             f"merged out rel {rel:.2e} (<= 1e-5), |lse diff| {dlse:.2e} (<= 1e-5), {n} keys, R={R}, H={H}")
+    # The parts' logits come from matmuls of other shapes than the whole's, whose float32 sums may
+    # run in other orders (blocking, thread count): at 1024 keys, lse ~10, that moved the lse by up
+    # to 3e-5 (a CPU test run, 2026-12-07), where a wrong merge is off by O(1).
+    run.gate("merge.disjoint_equals_exact", rel <= 1e-5 and dlse <= 1e-4,
+             f"merged out rel {rel:.2e} (<= 1e-5), |lse diff| {dlse:.2e} (<= 1e-4), {n} keys, R={R}, H={H}")
     # An empty side (lse -inf; its output is garbage and must be ignored) is the identity.
     empty_lse = torch.full_like(b_lse, float("-inf"))
     ident, ident_lse = torch.empty_like(exact), torch.empty_like(exact_lse)
