@@ -325,8 +325,8 @@ class Bf16KeyHasher {
   int d_, K_, L_;
   bool simd_, amx_;
   int cp_;                           // columns as stored: C, rounded up to 32 for the tiles
-  std::vector<uint16_t> pairs_;      // [d/2][C][2]: w[2i][c], w[2i+1][c]
-  std::vector<uint16_t> amx_tiles_;  // kAmxTiles: pairs_ as [d/32][cp/16] tiles of [16][16][2]
+  std::vector<uint16_t> pairs_;      // kBf16Pairs' AVX-512 path: [d/2][C][2]: w[2i][c], w[2i+1][c]
+  std::vector<uint16_t> amx_tiles_;  // kAmxTiles: the same pairs as [d/32][cp/16] tiles of [16][16][2]
   std::vector<float> cw_;            // [hkv][cp]: c_h . w[:, c], summed in double; 0 past C
 };
 

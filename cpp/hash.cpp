@@ -233,6 +233,10 @@ void bf16_pairs_rows_scalar(const uint16_t* keys, size_t row_stride, int T, int 
   }
 }
 
+// An AMX tile: 16 rows of 64 bytes (kAmxTiles below).  Outside the x86 block: Bf16KeyHasher, compiled
+// on every platform, sizes its tile columns with them.
+constexpr int kAmxRows = 16, kAmxPairRows = 16, kAmxCols = 16;
+
 #if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 10
 #define MP_HASH_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define MP_HAS_BF16_HASH 1
@@ -320,7 +324,6 @@ void bf16_pairs_rows_avx512(const uint16_t* keys, size_t row_stride, int T, int 
 // document; the scalar twin (bf16_pairs_rows_scalar) sums the same products in its own order, so
 // the two agree up to float32 ties, as the float32 path's FMA and mul+add twins do.  A key's sums do
 // not depend on the keys beside it (tile rows are independent), so merges and rebuilds agree.
-constexpr int kAmxRows = 16, kAmxPairRows = 16, kAmxCols = 16;  // a tile: 16 rows of 64 bytes
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -434,17 +437,33 @@ Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* c
     : w_(w), d_(d), K_(K), L_(L), simd_(!force_scalar), amx_(amx_tiles && !force_scalar) {
   const int C = K * L;
   cp_ = amx_ ? (C + 2 * kAmxCols - 1) / (2 * kAmxCols) * (2 * kAmxCols) : C;
-  pairs_.resize(static_cast<size_t>(d) * C);
-  for (int i = 0; i < d / 2; ++i) {
-    const float* w0 = w + static_cast<size_t>(2 * i) * C;
-    uint16_t* dst = pairs_.data() + static_cast<size_t>(i) * C * 2;
-    for (int c = 0; c < C; ++c) {
-      uint32_t u0, u1;
-      std::memcpy(&u0, w0 + c, sizeof u0);
-      std::memcpy(&u1, w0 + C + c, sizeof u1);
-      dst[2 * c] = static_cast<uint16_t>(u0 >> 16);  // exact: bf16-valued
-      dst[2 * c + 1] = static_cast<uint16_t>(u1 >> 16);
-    }
+  // The projection's bf16 bits (exact: bf16-valued) laid out for the fast path that runs: pairs
+  // [d/2][C][2] for the AVX-512 pair dot product, or [d/32][cp/16] tiles, each 16 pair rows x 16
+  // columns x (w[2i][c], w[2i+1][c]) in one contiguous 1 KB, for AMX (columns past C zero).  The
+  // scalar twin reads w itself.
+  auto bits = [w, C](int j, int c) {
+    uint32_t u;
+    std::memcpy(&u, w + static_cast<size_t>(j) * C + c, sizeof u);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  if (amx_) {
+    const int ctiles = cp_ / kAmxCols;
+    amx_tiles_.assign(static_cast<size_t>(d) * cp_, 0);
+    for (int i = 0; i < d / 2; ++i)
+      for (int c = 0; c < C; ++c) {
+        const size_t tile = static_cast<size_t>(i / kAmxPairRows) * ctiles + c / kAmxCols;
+        uint16_t* dst = amx_tiles_.data() + tile * kAmxPairRows * kAmxCols * 2 +
+                        (static_cast<size_t>(i % kAmxPairRows) * kAmxCols + c % kAmxCols) * 2;
+        dst[0] = bits(2 * i, c);
+        dst[1] = bits(2 * i + 1, c);
+      }
+  } else if (simd_) {
+    pairs_.resize(static_cast<size_t>(d) * C);
+    for (int i = 0; i < d / 2; ++i)
+      for (int c = 0; c < C; ++c) {
+        pairs_[(static_cast<size_t>(i) * C + c) * 2] = bits(2 * i, c);
+        pairs_[(static_cast<size_t>(i) * C + c) * 2 + 1] = bits(2 * i + 1, c);
+      }
   }
   // c_h . w per column, in double; rows of w outermost so the inner loop runs along a row (a
   // growth step's build of a few hundred tokens pays this once)
@@ -459,19 +478,6 @@ Bf16KeyHasher::Bf16KeyHasher(const float* w, int d, int K, int L, const float* c
     }
     for (int c = 0; c < C; ++c) cw_[static_cast<size_t>(h) * cp_ + c] = static_cast<float>(sum[c]);
   }
-  if (!amx_) return;
-  // w as the tiles read it: [d/32][cp/16] tiles, each 16 pair rows x 16 columns x (w[2i][c], w[2i+1][c]),
-  // one contiguous 1 KB tile apiece; columns past C are zero.
-  const int ctiles = cp_ / kAmxCols;
-  amx_tiles_.assign(static_cast<size_t>(d) * cp_, 0);
-  for (int i = 0; i < d / 2; ++i)
-    for (int c = 0; c < C; ++c) {
-      const size_t tile = static_cast<size_t>(i / kAmxPairRows) * ctiles + c / kAmxCols;
-      uint16_t* dst = amx_tiles_.data() + tile * kAmxPairRows * kAmxCols * 2 +
-                      (static_cast<size_t>(i % kAmxPairRows) * kAmxCols + c % kAmxCols) * 2;
-      dst[0] = pairs_[(static_cast<size_t>(i) * C + c) * 2];
-      dst[1] = pairs_[(static_cast<size_t>(i) * C + c) * 2 + 1];
-    }
 }
 
 void Bf16KeyHasher::hash(const uint16_t* keys, size_t row_stride, int T, int h, uint16_t* codes) const {

@@ -270,7 +270,7 @@ def _run(job: IndexJob, ops: Any, build: Callable[..., Any], node_guard: Any = N
             # seconds: checked again before each layer, for that layer's build (segments and hash
             # codes), a job passes the reserve only where another engine took the room since its
             # check, by one layer's build at most (node_memory.py). What it built so far is freed.
-            if node_guard is not None and not node_guard.fits(lj.node_need):
+            if node_guard is not None and node_guard.shortfall(lj.node_need):
                 job.short_of_memory = True
                 job.built.clear()
                 break

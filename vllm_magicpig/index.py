@@ -305,9 +305,8 @@ class IndexStore:
         guard = self.node_guard
         if guard is None:
             return True
-        while not guard.fits(need):  # memory held unused is given back first
+        while short := guard.shortfall(need):  # memory held unused is given back first
             held = self.held_bytes()
-            short = max(need, 1) - (guard.last_available - guard.reserve_bytes)
             self.enforce_cap(held - short)  # evicts idle segments, least recently used first
             if self.held_bytes() == held:  # all in use
                 guard.note_refusal()

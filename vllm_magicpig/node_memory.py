@@ -65,10 +65,10 @@ class NodeMemoryGuard:
             room = self._read() - self.reserve_bytes
         return room
 
-    def fits(self, need: int) -> bool:
-        """Whether ``need`` more bytes (at least one) leave the reserve free, memory held unused
-        given back first where short."""
-        return self.room(need) >= max(need, 1)
+    def shortfall(self, need: int) -> int:
+        """Bytes the node lacks for ``need`` more (at least one) with the reserve kept free, memory
+        held unused given back first where short; 0: they fit."""
+        return max(0, max(need, 1) - self.room(need))
 
     def _read(self) -> int:
         self.last_available = self._available()
